@@ -1,0 +1,165 @@
+"""FSDPBackend + TrainStack in one process (no process group: the module is used unwrapped)."""
+
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.core.sample import Sample
+from unirl_ray.train.backend import dcp_io
+from unirl_ray.train.backend.fsdp import FSDPBackend
+from unirl_ray.train.configs import LoraConfig, LrSchedulerConfig, OptimizerConfig, TrainTopology
+from unirl_ray.train.stack import TrainStack
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.to_q = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.to_q(x).tanh()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Bundle:
+    def __init__(self):
+        torch.manual_seed(0)
+        self.net = Net()
+
+
+class RegressToZero(StageAlgorithm):
+    """Fake algorithm: loss = mean(policy(x)^2) * advantage, x from the sample's columns."""
+
+    supports_multi_update = True
+
+    def compute_advantages(self, samples):
+        for s in samples:
+            s.advantage = 1.0
+        return {}
+
+    def compute_loss_and_backward(self, samples, segment, ctx: LossContext):
+        x = torch.stack([torch.tensor(s.columns["x"]) for s in samples])
+        loss = ctx.policy(x).pow(2).mean()
+        (loss * ctx.loss_scale).backward()
+        return {"loss": loss.item() * len(samples), "count": len(samples)}
+
+
+class SingleUpdate(RegressToZero):
+    supports_multi_update = False
+
+
+def make_samples(n):
+    g = torch.Generator().manual_seed(1)
+    return [Sample(sample_id=f"s{i}", group_id="g", prompt="p", columns={"x": torch.randn(4, generator=g).tolist()}) for i in range(n)]
+
+
+def make_stack(**kw):
+    backend = FSDPBackend(
+        block_class_names=["Block"], trainable_attr="net", optimizer_cfg=OptimizerConfig(learning_rate=0.05),
+        bundle=Bundle(), lora_cfg=kw.pop("lora_cfg", None), lr_scheduler_cfg=kw.pop("lr_scheduler_cfg", None),
+    )
+    algorithm = kw.pop("algorithm", RegressToZero())
+    stack = TrainStack(fsdp_backend=backend, algorithm=algorithm, **kw)
+    backend.setup(topology=TrainTopology(), device=torch.device("cpu"), needs_reference=True)
+    return stack
+
+
+def test_train_step_lowers_loss_and_counts_optimizer_steps():
+    stack = make_stack(micro_batch_size=2, mini_batch_size=4, num_updates_per_batch=2)
+    samples = make_samples(8)
+    first = stack.train(samples, seed=0)
+    assert first.num_optimizer_steps == 4  # 2 epochs x 2 mini-batches
+    assert first.policy_version == 1
+    for _ in range(5):
+        last = stack.train(samples, seed=0)
+    assert last.metrics["train/loss"] < first.metrics["train/loss"]
+    assert last.metrics["train/grad_norm"] > 0
+
+
+def test_multi_update_refused_without_support():
+    backend = FSDPBackend(block_class_names=["Block"], trainable_attr="net", bundle=Bundle())
+    with pytest.raises(ValueError, match="does not support multiple updates"):
+        TrainStack(fsdp_backend=backend, algorithm=SingleUpdate(), num_updates_per_batch=2)
+
+
+def test_shard_size_must_split_into_mini_batches():
+    stack = make_stack(micro_batch_size=2, mini_batch_size=4)
+    with pytest.raises(ValueError, match="must split into mini-batches"):
+        stack.train(make_samples(6), seed=0)
+
+
+def test_unknown_block_class_names_closest():
+    backend = FSDPBackend(block_class_names=["Blok"], trainable_attr="net", bundle=Bundle())
+    with pytest.raises(ValueError, match="Block"):
+        backend.setup(topology=TrainTopology(), device=torch.device("cpu"))
+
+
+def test_lora_trains_only_adapters_and_reference_disables_them():
+    stack = make_stack(lora_cfg=LoraConfig(rank=2, alpha=2, target_modules=["to_q"]), micro_batch_size=4)
+    backend = stack.backend
+    base_before = {n: p.detach().clone() for n, p in backend.module.named_parameters() if "lora_" not in n}
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        out_before = backend.module(x)
+    for _ in range(3):
+        stack.train(make_samples(4), seed=0)
+    for n, p in backend.module.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base_before[n]), n
+    with torch.no_grad():
+        assert not torch.allclose(backend.module(x), out_before)
+        with backend.reference() as ref:
+            assert torch.allclose(ref(x), out_before)  # adapters off == the base model
+        assert not torch.allclose(backend.module(x), out_before)  # and back on
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = LrSchedulerConfig(kind="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    assert cfg.factor(0) == pytest.approx(0.5)
+    assert cfg.factor(1) == pytest.approx(1.0)
+    assert cfg.factor(2) == pytest.approx(1.0)
+    assert cfg.factor(6) == pytest.approx(0.1)
+    assert cfg.factor(4) == pytest.approx(0.1 + 0.9 * 0.5)
+    with pytest.raises(ValueError, match="total_steps"):
+        LrSchedulerConfig(kind="linear")
+
+
+def test_bad_optimizer_values_rejected():
+    with pytest.raises(ValueError, match="learning_rate"):
+        OptimizerConfig(learning_rate=-1.0)
+
+
+def test_dcp_metadata_refuses_foreign_classes(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    os.makedirs(tmp_path / "ck")
+    with open(tmp_path / "ck" / ".metadata", "wb") as f:
+        pickle.dump(Evil(), f)
+    with pytest.raises(ValueError, match="not a DCP metadata type"):
+        dcp_io.load({"x": torch.zeros(1)}, str(tmp_path / "ck"))
+
+
+def test_dcp_roundtrip_single_process(tmp_path):
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"m": torch.ones(2)}}
+    dcp_io.save(state, str(tmp_path / "ck"))
+    target = {"model": {"w": torch.zeros(2, 3)}, "optim": {"m": torch.zeros(2)}}
+    dcp_io.load(target, str(tmp_path / "ck"))
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
+    with pytest.raises(TypeError, match="only tensors"):
+        dcp_io.save({"x": 3}, str(tmp_path / "bad"))

@@ -1,0 +1,69 @@
+"""``StageAlgorithm``: the math of one training stage, pure torch and free of Ray.
+
+The driver calls ``compute_advantages`` on the whole step's samples (groups span ranks); each train
+worker then runs, per rollout shard, ``prepare_segment`` once (freezes pi_old) and
+``compute_loss_and_backward`` on micro-batches. The ``TrainStack`` owns the ordering, the optimizer
+steps and the reduction of metrics; the algorithm never touches the optimizer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from unirl_ray.core.sample import Sample
+
+
+@dataclass(kw_only=True)
+class LossContext:
+    """What the stack hands the algorithm for one micro-batch."""
+
+    policy: torch.nn.Module
+    """The trainable module (FSDP2-wrapped on the train workers)."""
+    reference: Callable[[], AbstractContextManager[torch.nn.Module]] | None
+    """Context manager factory yielding the frozen reference module (``None``: no reference)."""
+    loss_scale: float
+    """Multiply the loss by this before ``backward`` (micro-batch share of the optimizer step)."""
+    first_pass: bool
+    """True while no optimizer step has been taken on this segment yet (params equal pi_old)."""
+
+
+class StageAlgorithm(ABC):
+    """Base class of every RL / supervised algorithm of one stage."""
+
+    supports_multi_update: ClassVar[bool] = False
+    """Whether ``num_updates_per_batch > 1`` (PPO-style epochs over one rollout) is sound."""
+
+    def __init__(self, *, pipeline: Any = None) -> None:
+        self.pipeline = pipeline
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss needs the frozen reference model (e.g. a KL term)."""
+        return False
+
+    @abstractmethod
+    def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
+        """Set ``sample.advantage`` for every sample in place (driver side); return ``algo/`` metrics."""
+
+    def prepare_segment(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
+        """Freeze pi_old for one rollout shard; return per-segment state for the loss.
+
+        Called once per shard before the first update; ``seed`` makes random choices
+        (e.g. timestep subsets) identical on a re-run of the same step.
+        """
+        return {}
+
+    @abstractmethod
+    def compute_loss_and_backward(
+        self, samples: list[Sample], segment: dict[str, Any], ctx: LossContext
+    ) -> dict[str, float]:
+        """Compute the loss of a micro-batch, call ``backward`` on ``loss * ctx.loss_scale``.
+
+        Returns per-micro-batch metric sums keyed by name plus ``"count"`` (the number of loss
+        units they sum over), so the stack can average them over micro-batches and ranks.
+        """

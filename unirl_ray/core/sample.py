@@ -1,0 +1,142 @@
+"""The data contract between rollout, reward, algorithm and train stack.
+
+A ``Sample`` is one generated response to one prompt. It holds an ordered list of ``Part``s, one per
+generated segment (a diffusion trajectory, a text completion, later tool calls), so that trainers
+that produce several segments per sample (prompt enhancer, unified model, agentic loops) use the
+same record. Every sample carries the policy version that produced it.
+
+Tensors in parts are CPU tensors with the shapes given in each field's docstring. ``Sample.light()``
+drops the heavy tensors so that the driver only moves what rewards and logging need; train workers
+keep the full sample in their rollout cache and look it up by ``sample_id``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(kw_only=True)
+class Part:
+    """One generated segment of a sample. Subclasses say which family produced it."""
+
+    kind: str = "part"
+    """Family tag: ``"diffusion"``, ``"text"``, ..."""
+    advantage: float | None = None
+    """Per-part advantage; ``None`` means the sample's advantage applies."""
+
+    def light(self) -> "Part":
+        """A copy without the heavy tensors (for the driver)."""
+        return self
+
+    @property
+    def is_light(self) -> bool:
+        return False
+
+
+@dataclass(kw_only=True)
+class DiffusionPart(Part):
+    """A recorded denoising trajectory of a flow / diffusion model.
+
+    ``T`` is the number of sampling steps; ``latent_shape`` is ``[C, H, W]`` for images and
+    ``[C, F, H, W]`` for videos (the time axis sits after the channels).
+    """
+
+    kind: str = "diffusion"
+    latents: torch.Tensor | None = None
+    """[T+1, *latent_shape] x_0 = initial noise ... x_T = final latent, in sampling order."""
+    log_probs: torch.Tensor | None = None
+    """[T] behaviour log-prob of each transition latents[t] -> latents[t+1] (mean over elements)."""
+    sigmas: torch.Tensor | None = None
+    """[T+1] noise levels of the schedule used, sigmas[0] = 1 (pure noise) ... sigmas[T] = 0."""
+    cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Conditioning tensors without batch axis (e.g. ``prompt_embeds`` [L, D], ``pooled`` [P])."""
+
+    def light(self) -> "DiffusionPart":
+        return dataclasses.replace(self, latents=None, log_probs=None, sigmas=None, cond={})
+
+    @property
+    def is_light(self) -> bool:
+        return self.latents is None
+
+    @property
+    def num_steps(self) -> int:
+        assert self.log_probs is not None, "light part has no trajectory"
+        return int(self.log_probs.shape[0])
+
+
+@dataclass(kw_only=True)
+class TextPart(Part):
+    """A generated token segment (used by the AR trainers)."""
+
+    kind: str = "text"
+    prompt_ids: torch.Tensor | None = None
+    """[P] token ids of the context this segment was generated from."""
+    completion_ids: torch.Tensor | None = None
+    """[C] generated token ids."""
+    log_probs: torch.Tensor | None = None
+    """[C] behaviour log-probs of the generated tokens."""
+    loss_mask: torch.Tensor | None = None
+    """[C] 1 for tokens that are trained on, 0 for tokens that are not (e.g. tool output)."""
+    text: str = ""
+    """Decoded completion."""
+
+    def light(self) -> "TextPart":
+        return dataclasses.replace(self, prompt_ids=None, completion_ids=None, log_probs=None, loss_mask=None)
+
+    @property
+    def is_light(self) -> bool:
+        return self.completion_ids is None
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One generated response to one prompt, with everything that later stages attach to it."""
+
+    sample_id: str
+    """Unique within a run: ``"s{step}-{index}"``."""
+    group_id: str
+    """Samples drawn for the same prompt share a group id (group-relative advantages)."""
+    prompt: str
+    columns: dict[str, Any] = field(default_factory=dict)
+    """Other dataset columns of the prompt row (answers, metadata), passed to reward functions."""
+    parts: list[Part] = field(default_factory=list)
+    image: np.ndarray | None = None
+    """[H, W, 3] uint8 decoded image (or [F, H, W, 3] frames) for rewards and logging."""
+    policy_version: int = 0
+    """Version of the weights that generated this sample."""
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    """Per-source rewards before weighting; ``None`` marks an invalid score."""
+    reward: float | None = None
+    """Weighted total reward; ``None`` when any weighted source was invalid."""
+    advantage: float | None = None
+    """Advantage from the algorithm; ``None`` until computed, 0 for excluded samples."""
+
+    def light(self) -> "Sample":
+        return dataclasses.replace(self, parts=[p.light() for p in self.parts])
+
+    @property
+    def is_light(self) -> bool:
+        return any(p.is_light for p in self.parts)
+
+    @property
+    def has_valid_reward(self) -> bool:
+        return self.reward is not None and math.isfinite(self.reward)
+
+
+@dataclass(kw_only=True)
+class TrainStepResult:
+    """What one ``TrainStack.train`` call reports (already reduced over ranks)."""
+
+    metrics: dict[str, float]
+    """Namespaced scalars: ``train/loss``, ``algo/clip_frac``, ``timing/...``."""
+    policy_version: int
+    """Version of the weights after this step's optimizer updates."""
+    num_samples: int
+    """Samples trained on, over all ranks."""
+    num_optimizer_steps: int

@@ -1,0 +1,47 @@
+"""Direct ("trainside") rollout: the train ranks generate with the very module they train.
+
+No engine and no weight sync: the samples are exactly on-policy, so the log-probs recorded while
+sampling equal the ones the stack recomputes at the start of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from unirl_ray.core.sample import Sample
+
+
+class TrainsideRollout:
+    """Generate samples for a list of requests on this rank, ``micro_batch_size`` at a time."""
+
+    def __init__(self, *, micro_batch_size: int = 8, pipeline: Any = None, backend: Any = None) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"rollout.micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.pipeline = pipeline
+        self.backend = backend
+
+    @torch.no_grad()
+    def generate(self, requests: list[dict[str, Any]], *, policy_version: int) -> list[Sample]:
+        """``requests``: dicts with ``sample_id, group_id, prompt, columns, seed``."""
+        module = self.backend.module if self.backend is not None else None
+        samples: list[Sample] = []
+        for start in range(0, len(requests), self.micro_batch_size):
+            chunk = requests[start : start + self.micro_batch_size]
+            outputs = self.pipeline.sample([r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk], module=module)
+            for request, (part, media) in zip(chunk, outputs):
+                samples.append(
+                    Sample(
+                        sample_id=request["sample_id"],
+                        group_id=request["group_id"],
+                        prompt=request["prompt"],
+                        columns=dict(request.get("columns") or {}),
+                        parts=[part],
+                        image=media if isinstance(media, np.ndarray) else None,
+                        policy_version=policy_version,
+                    )
+                )
+        return samples

@@ -1,0 +1,105 @@
+"""Joining or starting Ray, and the ``ray:`` block of a recipe."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Environment every process of a run gets: no hub downloads are attempted when a model is missing
+# locally only if the user sets HF_HUB_OFFLINE themselves, so we pass through what the driver has.
+_PASS_THROUGH_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "PRETRAINED_MODEL", "TOKENIZERS_PARALLELISM")
+
+
+@dataclass(kw_only=True)
+class RayConfig:
+    """Where and on what the run executes (Ray's own option names inside ``scaling``)."""
+
+    address: str | None = None
+    """Cluster to join; None: ``RAY_ADDRESS`` / the job's cluster under ``ray job submit``, else a local Ray."""
+    scaling: dict[str, Any] = field(default_factory=lambda: {"num_workers": 2, "resources_per_worker": {"CPU": 1}})
+    """``ray.train.ScalingConfig`` arguments for the train workers."""
+    max_failures: int = 0
+    """Worker-group restarts Ray Train may do (from the latest checkpoint) before the run fails."""
+    collective_timeout_s: int = 600
+    """gloo / nccl timeout: a lost rank fails the step after this instead of hanging."""
+    command_timeout_s: float = 1800.0
+    """Longest the controller waits for one worker command (a rollout or a train step)."""
+    start_timeout_s: float = 600.0
+    """Longest the controller waits for the worker group to build its models and announce."""
+    local_num_cpus: int | None = None
+    """Logical CPUs of an embedded local Ray (default: max(8, cores), so small fractional tasks never starve)."""
+    check_resources: bool = True
+    """Fail fast when the cluster's total resources cannot hold the train workers (disable with an autoscaler)."""
+    num_checkpoints_to_keep: int | None = 2
+    """Committed checkpoints kept on storage (None: all)."""
+
+    def __post_init__(self) -> None:
+        workers = self.scaling.get("num_workers", 1)
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"ray.scaling.num_workers must be a positive integer, got {workers!r}")
+        if self.max_failures < 0:
+            raise ValueError(f"ray.max_failures must be >= 0, got {self.max_failures}")
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.scaling.get("num_workers", 1))
+
+    @property
+    def use_gpu(self) -> bool:
+        return bool(self.scaling.get("use_gpu", False))
+
+    def worker_resources(self) -> dict[str, float]:
+        res = dict(self.scaling.get("resources_per_worker") or {})
+        if self.use_gpu:
+            res.setdefault("GPU", 1)
+        res.setdefault("CPU", 1)
+        return {k: float(v) for k, v in res.items()}
+
+
+def runtime_env_vars() -> dict[str, str]:
+    env = {k: os.environ[k] for k in _PASS_THROUGH_ENV if k in os.environ}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def ensure_ray(cfg: RayConfig) -> str:
+    """Connect to the configured cluster or start an embedded one; returns a description."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return "existing Ray session"
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    env = {"env_vars": runtime_env_vars()}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return f"Ray cluster at {address}"
+    num_cpus = cfg.local_num_cpus or max(8, os.cpu_count() or 1)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    return f"embedded local Ray ({num_cpus} logical CPUs)"
+
+
+def check_cluster_fits(cfg: RayConfig, extra: dict[str, float] | None = None) -> None:
+    """Raise ValueError naming what is missing when the cluster can never hold the run."""
+    import ray
+
+    if not cfg.check_resources:
+        return
+    need: dict[str, float] = {}
+    for key, value in cfg.worker_resources().items():
+        need[key] = need.get(key, 0.0) + value * cfg.num_workers
+    for key, value in (extra or {}).items():
+        need[key] = need.get(key, 0.0) + value
+    have = ray.cluster_resources()
+    missing = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
+    if missing:
+        detail = ", ".join(f"{k}: need {v:g}, cluster has {h:g}" for k, (v, h) in missing.items())
+        raise ValueError(
+            f"the Ray cluster cannot hold this run ({detail}). Lower ray.scaling (num_workers, "
+            "resources_per_worker) or the reward replicas' ray_actor_options, or add nodes; set "
+            "ray.check_resources=false if an autoscaler will add them."
+        )

@@ -1,0 +1,98 @@
+"""What a train rank holds: bundle, pipeline, backend, algorithm, stack and (trainside) rollout.
+
+Built once per worker from the recipe sections, in the seed's order::
+
+    bundle    = build(bundle_cfg)
+    pipeline  = build(pipeline_cfg, bundle=bundle)
+    backend   = build(backend_cfg, bundle=bundle)            # FSDPBackend
+    algorithm = build(algorithm_cfg, pipeline=pipeline)      # StageAlgorithm
+    stack     = build(stack_cfg, fsdp_backend=backend, algorithm=algorithm)
+    rollout   = build(rollout_cfg, pipeline=pipeline, backend=backend)   # trainside rollout
+
+Plain Python (no Ray): the worker loop in ``runtime.worker`` drives it, and tests and benchmarks
+can drive it directly in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from unirl_ray.config.recipe import instantiate
+from unirl_ray.core.sample import Sample
+from unirl_ray.train.configs import TrainTopology
+
+log = logging.getLogger(__name__)
+
+
+class StackWorker:
+    """One train rank's objects and the operations the controller asks of them."""
+
+    def __init__(self, sections: dict[str, Any], *, topology: TrainTopology, device: torch.device) -> None:
+        self.topology = topology
+        self.device = device
+        self.bundle = instantiate(sections["bundle"], _path="bundle")
+        if hasattr(self.bundle, "to"):
+            self.bundle.to(device)
+        self.pipeline = instantiate(sections["pipeline"], _path="pipeline", bundle=self.bundle)
+        self.backend = instantiate(sections["backend"], _path="backend", bundle=self.bundle)
+        self.algorithm = instantiate(sections["algorithm"], _path="algorithm", pipeline=self.pipeline)
+        self.stack = instantiate(sections["stack"], _path="stack", fsdp_backend=self.backend, algorithm=self.algorithm)
+        self.backend.setup(topology=topology, device=device, needs_reference=self.algorithm.needs_reference)
+        self.rollout = None
+        if sections.get("rollout") is not None:
+            self.rollout = instantiate(
+                sections["rollout"], _path="rollout", pipeline=self.pipeline, backend=self.backend
+            )
+        self._cache: dict[str, Sample] = {}
+
+    @property
+    def policy_version(self) -> int:
+        return self.stack.policy_version
+
+    # ------------------------------------------------------------------ ops
+    def generate(self, requests: list[dict[str, Any]]) -> list[Sample]:
+        """Trainside rollout of this rank's requests; keeps full samples, returns light ones."""
+        if self.rollout is None:
+            raise ValueError("this recipe has no trainside rollout section (rollout: _target_: ...)")
+        samples = self.rollout.generate(requests, policy_version=self.policy_version)
+        self._cache = {s.sample_id: s for s in samples}
+        return [s.light() for s in samples]
+
+    def train(self, scored: list[Sample], *, seed: int) -> dict[str, Any]:
+        """Train on this rank's shard; light samples are completed from the rollout cache."""
+        shard = [self._complete(s) for s in scored]
+        result = self.stack.train(shard, seed=seed)
+        self._cache.clear()
+        return {
+            "metrics": result.metrics,
+            "policy_version": result.policy_version,
+            "num_samples": result.num_samples,
+        }
+
+    def _complete(self, sample: Sample) -> Sample:
+        if not sample.is_light:
+            return sample
+        cached = self._cache.get(sample.sample_id)
+        if cached is None:
+            raise KeyError(
+                f"sample {sample.sample_id} carries no trajectory and is not in this rank's rollout cache; "
+                "samples of a trainside rollout must be trained on the rank that generated them"
+            )
+        cached.rewards, cached.reward, cached.advantage = sample.rewards, sample.reward, sample.advantage
+        return cached
+
+    # ----------------------------------------------------------- checkpoint
+    def save(self, directory: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        meta = self.backend.save(directory)
+        meta["policy_version"] = self.stack.policy_version
+        log.debug("rank %d saved shards in %.2fs", self.topology.rank, time.perf_counter() - t0)
+        return meta
+
+    def load(self, directory: str, meta: dict[str, Any]) -> None:
+        self.backend.load(directory, meta)
+        self.stack.policy_version = int(meta["policy_version"])

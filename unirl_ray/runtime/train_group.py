@@ -1,0 +1,169 @@
+"""``TrainGroup``: the controller's handle on the long-lived Ray Train run.
+
+``TorchTrainer.fit()`` runs in a daemon thread of the driver for the whole job; its workers execute
+``runtime.worker.worker_main``. The controller talks to them only through the ``CommandBroker``:
+``call(op, payloads)`` queues one command per rank and waits for every rank's answer, polling in
+short slices so that a dead ``fit()`` or a missed deadline surfaces as an exception, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import ray
+
+from unirl_ray.runtime.broker import CommandBroker
+from unirl_ray.runtime.cluster import RayConfig, runtime_env_vars
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "unirl_ray"
+
+
+class WorkerError(RuntimeError):
+    """A train worker raised while executing a command (the message carries its traceback)."""
+
+
+class WorkerGroupRestarted(RuntimeError):
+    """The worker group restarted while a command was in flight (results were fenced)."""
+
+
+class TrainGroup:
+    """Start, command and stop the train workers of one run."""
+
+    def __init__(
+        self,
+        *,
+        sections: dict[str, Any],
+        ray_cfg: RayConfig,
+        run_name: str,
+        storage_path: str,
+        seed: int,
+    ) -> None:
+        self.ray_cfg = ray_cfg
+        self.run_name = run_name
+        self.storage_path = storage_path
+        self.world_size = ray_cfg.num_workers
+        self.broker_name = f"unirl-broker-{run_name}-{uuid.uuid4().hex[:8]}"
+        self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE).remote(self.world_size)
+        self.loop_config = {
+            "sections": sections,
+            "broker_name": self.broker_name,
+            "namespace": NAMESPACE,
+            "use_gpu": ray_cfg.use_gpu,
+            "seed": seed,
+            "log_level": logging.getLevelName(logging.getLogger().level),
+        }
+        self._thread: threading.Thread | None = None
+        self._fit_error: BaseException | None = None
+        self._fit_result: Any = None
+
+    # ---------------------------------------------------------------- start
+    def _trainer(self):
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        from unirl_ray.runtime.worker import worker_main
+
+        cfg = self.ray_cfg
+        scaling = dict(cfg.scaling)
+        scaling["resources_per_worker"] = cfg.worker_resources()
+        return TorchTrainer(
+            worker_main,
+            train_loop_config=self.loop_config,
+            torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo", timeout_s=cfg.collective_timeout_s),
+            scaling_config=ScalingConfig(**scaling),
+            run_config=RunConfig(
+                name=self.run_name,
+                storage_path=self.storage_path,
+                failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+                worker_runtime_env={"env_vars": runtime_env_vars()},
+            ),
+        )
+
+    def _fit(self) -> None:
+        try:
+            self._fit_result = self._trainer().fit()
+        except BaseException as exc:  # surfaced to the controller by _check_alive
+            self._fit_error = exc
+
+    def start(self) -> dict[str, Any]:
+        """Launch ``fit()`` and wait for every rank to announce; returns rank 0's announcement."""
+        self._thread = threading.Thread(target=self._fit, name=f"fit-{self.run_name}", daemon=True)
+        self._thread.start()
+        return self.wait_announced(self.ray_cfg.start_timeout_s)
+
+    def wait_announced(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            infos = ray.get(self.broker.announcements.remote(), timeout=30)
+            errors = [f"rank {r}: {i['error']}\n{i.get('traceback', '')}" for r, i in infos.items() if "error" in i]
+            if errors:
+                raise WorkerError("train workers failed to build their models:\n" + "\n".join(errors))
+            if len(infos) == self.world_size:
+                ray.get(self.broker.clear_announcements.remote(), timeout=30)
+                return infos[0]
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(infos)}/{self.world_size} train workers started within {timeout_s:.0f}s "
+                    f"(each needs {self.ray_cfg.worker_resources()}); check `ray status` for free resources"
+                )
+            time.sleep(0.2)
+
+    def _check_alive(self) -> None:
+        if self._thread is not None and not self._thread.is_alive():
+            raise WorkerError(f"the Ray Train run ended unexpectedly: {self._fit_error or self._fit_result!r}")
+
+    # --------------------------------------------------------------- commands
+    def call(self, op: str, payloads: list[Any] | Any, *, timeout_s: float | None = None) -> list[Any]:
+        """Run ``op`` on every rank (a list gives each rank its own payload); returns per-rank results."""
+        if not isinstance(payloads, list):
+            payloads = [payloads] * self.world_size
+        refs = [{"_ref": ray.put(p)} for p in payloads]
+        cmd_id = ray.get(self.broker.submit.remote(op, refs), timeout=30)
+        deadline = time.monotonic() + (timeout_s or self.ray_cfg.command_timeout_s)
+        while True:
+            results = ray.get(self.broker.collect.remote(cmd_id, 1.0), timeout=60)
+            if results is not None:
+                return self._unwrap(op, results)
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"train workers did not finish {op!r} within {timeout_s or self.ray_cfg.command_timeout_s:.0f}s")
+
+    def _unwrap(self, op: str, results: list[Any]) -> list[Any]:
+        if any(isinstance(r, dict) and r.get("fenced") for r in results):
+            raise WorkerGroupRestarted(f"the worker group restarted during {op!r}")
+        errors = [f"rank {i}: {r['error']}\n{r.get('traceback', '')}" for i, r in enumerate(results) if "error" in r]
+        if errors:
+            raise WorkerError(f"train workers failed on {op!r}:\n" + "\n".join(errors))
+        return ray.get([r["_ref"] for r in results], timeout=600)
+
+    def save(self, step: int, controller_state: dict[str, Any]) -> str:
+        """Collective checkpoint; returns the committed checkpoint path."""
+        results = self.call("save", {"step": step, "controller": controller_state})
+        return results[0]["path"]
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Clean shutdown: ask the workers to return, then let ``fit()`` finish."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        try:
+            cmd_id = ray.get(self.broker.submit.remote("stop", [None] * self.world_size), timeout=30)
+            ray.get(self.broker.collect.remote(cmd_id, timeout_s), timeout=timeout_s + 30)
+        except Exception as exc:  # the group may already be gone
+            log.warning("stopping train workers: %s", exc)
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            log.warning("the Ray Train run did not end within %.0fs after stop", timeout_s)
+        ray.kill(self.broker)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.storage_path, self.run_name)

@@ -1,0 +1,131 @@
+"""The Ray Train worker program: build the rank's objects once, then serve the controller.
+
+``worker_main`` is the ``train_loop_per_worker`` of the long-lived ``TorchTrainer`` run. On every
+start (first start, resume, or restart after a failure) it restores the latest committed Ray Train
+checkpoint, announces ``{restored_step, controller_state}`` to the broker and then executes
+commands until ``stop``. ``save`` is collective: every rank writes its DCP shards and calls
+``ray.train.report`` (a barrier); the save is acknowledged only once Ray Train lists the
+checkpoint as committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from unirl_ray.runtime.stack_worker import StackWorker
+from unirl_ray.train.configs import TrainTopology
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "controller_state.json"
+SHARDS_DIR = "shards"
+
+
+def _device(use_gpu: bool) -> torch.device:
+    if use_gpu and torch.cuda.is_available():
+        local = ray.train.get_context().get_local_rank()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _restore(worker: StackWorker) -> tuple[int, dict[str, Any] | None]:
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0, None
+    with checkpoint.as_directory() as directory:
+        with open(os.path.join(directory, STATE_FILE)) as f:
+            state = json.load(f)
+        worker.load(os.path.join(directory, SHARDS_DIR), state["backend"])
+    return int(state["step"]), state
+
+
+def _save(worker: StackWorker, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
+    step = int(payload["step"])
+    tmp = tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
+    try:
+        meta = worker.save(os.path.join(tmp, SHARDS_DIR))
+        if rank == 0:
+            state = {"step": step, "backend": meta, "controller": payload["controller"]}
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump(state, f)
+        name = f"checkpoint_{step:06d}"
+        ray.train.report(
+            {"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
+        )
+        path = _wait_committed(name, timeout_s) if rank == 0 else None
+        return {"step": step, "path": path}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_committed(name: str, timeout_s: float) -> str:
+    """Block until Ray Train lists checkpoint ``name`` as committed; returns its path."""
+    deadline = time.monotonic() + timeout_s
+    mode = ray.train.CheckpointConsistencyMode.COMMITTED
+    while time.monotonic() < deadline:
+        reported = ray.train.get_all_reported_checkpoints(consistency_mode=mode, timeout_s=max(1.0, deadline - time.monotonic()))
+        for item in reported:
+            if os.path.basename(item.checkpoint.path.rstrip("/")) == name:
+                return item.checkpoint.path
+        time.sleep(0.1)
+    raise TimeoutError(f"checkpoint {name} was not committed by Ray Train within {timeout_s:.0f}s")
+
+
+def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeout_s: float) -> Any:
+    if op == "generate":
+        return worker.generate(payload["requests"])
+    if op == "train":
+        return worker.train(payload["samples"], seed=int(payload["seed"]))
+    if op == "save":
+        return _save(worker, payload, rank, save_timeout_s)
+    if op == "ping":
+        return {"policy_version": worker.policy_version}
+    raise ValueError(f"unknown worker command {op!r}")
+
+
+def worker_main(config: dict[str, Any]) -> None:
+    """``train_loop_per_worker``: see module docstring. ``config`` comes from ``TrainGroup``."""
+    logging.basicConfig(level=config.get("log_level", "INFO"))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    topology = TrainTopology(world_size=world, rank=rank, dp_size=world, dp_rank=rank)
+    broker = ray.get_actor(config["broker_name"], namespace=config["namespace"])
+    torch.manual_seed(int(config.get("seed", 0)))
+    try:
+        worker = StackWorker(config["sections"], topology=topology, device=_device(config["use_gpu"]))
+        restored_step, state = _restore(worker)
+    except Exception as exc:  # report build errors to the driver instead of a bare worker crash
+        info = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        ray.get(broker.announce.remote(rank, info), timeout=60)
+        raise
+    info = {"restored_step": restored_step, "controller": (state or {}).get("controller") if rank == 0 else None,
+            "policy_version": worker.policy_version, "pid": os.getpid()}
+    generation = ray.get(broker.announce.remote(rank, info), timeout=60)
+    poll_s = float(config.get("poll_s", 2.0))
+    while True:
+        cmd = ray.get(broker.next_command.remote(rank, poll_s), timeout=poll_s + 60)
+        if cmd is None:
+            continue
+        if cmd["op"] == "stop":
+            ray.get(broker.post_result.remote(rank, generation, cmd["id"], {"stopped": True}), timeout=60)
+            return
+        try:
+            payload = ray.get(cmd["payload"]["_ref"], timeout=600)
+            result = _dispatch(worker, cmd["op"], payload, rank, float(config.get("save_timeout_s", 300)))
+            result = {"_ref": ray.put(result)}  # bulky results travel through the object store
+        except Exception as exc:
+            log.exception("rank %d failed on %s", rank, cmd["op"])
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        ray.get(broker.post_result.remote(rank, generation, cmd["id"], result), timeout=60)

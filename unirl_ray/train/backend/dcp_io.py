@@ -1,0 +1,87 @@
+"""DCP (torch.distributed.checkpoint) save/load that never unpickles arbitrary objects.
+
+DCP writes tensor shards in its own format and a ``.metadata`` index with ``pickle``. We only put
+tensors into DCP state dicts, and read the index with an unpickler that admits the handful of
+classes DCP's metadata consists of, so a tampered checkpoint cannot run code on load.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+_ALLOWED_MODULE_PREFIXES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint._extension",
+    "torch.distributed.checkpoint.default_planner",
+)
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"), ("torch", "float64"),
+    ("torch", "int64"), ("torch", "int32"), ("torch", "int8"), ("torch", "uint8"), ("torch", "bool"),
+    ("torch", "strided"), ("torch", "sparse_coo"), ("torch", "contiguous_format"),
+    ("torch", "preserve_format"), ("torch", "channels_last"),
+    ("collections", "OrderedDict"), ("collections", "defaultdict"),
+    ("builtins", "dict"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "object"),
+    ("pathlib", "PosixPath"),
+    ("_codecs", "encode"),
+    ("torch.serialization", "_get_layout"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or module.startswith(_ALLOWED_MODULE_PREFIXES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata references {module}.{name}, which is not a DCP metadata type; "
+            "refusing to load it (the checkpoint may be corrupt or tampered with)"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A ``FileSystemReader`` whose metadata is read with a restricted unpickler."""
+
+    def read_metadata(self):  # noqa: D401 - DCP hook
+        path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _check_tensors_only(tree: Any, path: str = "") -> None:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            _check_tensors_only(value, f"{path}.{key}" if path else str(key))
+    elif not isinstance(tree, torch.Tensor):
+        raise TypeError(f"DCP state must hold only tensors (pickled objects are not loaded safely); {path} is {type(tree)}")
+
+
+def save(state: dict[str, Any], directory: str) -> None:
+    """Collective: every rank writes its shards of ``state`` (tensors only) under ``directory``."""
+    _check_tensors_only(state)
+    dcp.save(state, checkpoint_id=directory)
+
+
+def load(state: dict[str, Any], directory: str) -> None:
+    """Collective: fill ``state``'s tensors in place from ``directory`` (resharding as needed)."""
+    _check_tensors_only(state)
+    reader = SafeFileSystemReader(directory)
+    try:
+        reader.read_metadata()  # fail here, clearly, before DCP's collective machinery
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
+        raise ValueError(f"checkpoint shards at {directory} are unreadable or unsafe: {exc}") from exc
+    dcp.load(state, storage_reader=reader)

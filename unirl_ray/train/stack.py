@@ -1,0 +1,160 @@
+"""``TrainStack``: loss/backward ordering of one training stage (one Part).
+
+For each rollout shard: ``prepare_segment`` (freeze pi_old once) -> ``num_updates_per_batch``
+epochs over disjoint, shuffled mini-batches -> per mini-batch, ``compute_loss_and_backward`` on
+each micro-batch, then one ``optimizer_step`` -> a ``TrainStepResult`` with metrics averaged over
+micro-batches and ranks.
+
+Every rank must run the same number of forward/backward calls (FSDP2 collectives), so shards are
+equal-sized and the mini-batch layout depends only on the shard size and the step seed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.core.sample import Sample, TrainStepResult
+from unirl_ray.train.backend.fsdp import FSDPBackend
+
+
+@dataclass(kw_only=True)
+class TrainStackConfig:
+    """Mini-batching of one train step (per rank)."""
+
+    micro_batch_size: int = 1
+    """Samples per forward/backward."""
+    mini_batch_size: int | None = None
+    """Samples per optimizer step (None: the whole shard, one step per epoch)."""
+    num_updates_per_batch: int = 1
+    """Epochs over the shard (PPO); > 1 needs ``StageAlgorithm.supports_multi_update``."""
+    max_grad_norm: float | None = 1.0
+    """Gradient clipping threshold (None: no clipping)."""
+
+
+class TrainStack:
+    """Single-stage train stack over one ``FSDPBackend`` and one ``StageAlgorithm``."""
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int = 1,
+        mini_batch_size: int | None = None,
+        num_updates_per_batch: int = 1,
+        max_grad_norm: float | None = 1.0,
+        fsdp_backend: FSDPBackend | None = None,
+        algorithm: StageAlgorithm | None = None,
+    ) -> None:
+        self.cfg = TrainStackConfig(
+            micro_batch_size=micro_batch_size,
+            mini_batch_size=mini_batch_size,
+            num_updates_per_batch=num_updates_per_batch,
+            max_grad_norm=max_grad_norm,
+        )
+        if micro_batch_size < 1:
+            raise ValueError(f"stack.micro_batch_size must be >= 1, got {micro_batch_size}")
+        if mini_batch_size is not None and (mini_batch_size < 1 or mini_batch_size % micro_batch_size):
+            raise ValueError(
+                f"stack.mini_batch_size ({mini_batch_size}) must be a positive multiple of micro_batch_size ({micro_batch_size})"
+            )
+        if num_updates_per_batch < 1:
+            raise ValueError(f"stack.num_updates_per_batch must be >= 1, got {num_updates_per_batch}")
+        if algorithm is not None and num_updates_per_batch > 1 and not algorithm.supports_multi_update:
+            raise ValueError(
+                f"stack.num_updates_per_batch={num_updates_per_batch} but {type(algorithm).__name__} does not "
+                "support multiple updates per rollout batch; set it to 1"
+            )
+        self.backend = fsdp_backend
+        self.algorithm = algorithm
+        self.policy_version = 0
+
+    def check_shard_size(self, shard_size: int) -> None:
+        """Raise ValueError if a per-rank shard of this size cannot be split as configured."""
+        mini = self.cfg.mini_batch_size or shard_size
+        if shard_size % mini or mini % self.cfg.micro_batch_size:
+            raise ValueError(
+                f"each rank trains on {shard_size} samples per step, which must split into mini-batches of "
+                f"{mini} and micro-batches of {self.cfg.micro_batch_size}; adjust stack.mini_batch_size / "
+                "stack.micro_batch_size or the number of samples per step"
+            )
+
+    def train(self, samples: list[Sample], *, seed: int) -> TrainStepResult:
+        """One RL step on this rank's shard (collective over ranks)."""
+        self.check_shard_size(len(samples))
+        t0 = time.perf_counter()
+        segment = self.algorithm.prepare_segment(samples, seed=seed)
+        sums: dict[str, float] = {}
+        opt_metrics: dict[str, float] = {}
+        n_opt = 0
+        gen = torch.Generator().manual_seed(seed)
+        mini = self.cfg.mini_batch_size or len(samples)
+        for epoch in range(self.cfg.num_updates_per_batch):
+            order = torch.randperm(len(samples), generator=gen).tolist()
+            for start in range(0, len(samples), mini):
+                batch = [samples[i] for i in order[start : start + mini]]
+                self._accumulate(sums, self._mini_batch(batch, segment, first_pass=n_opt == 0))
+                step = self.backend.optimizer_step(self.cfg.max_grad_norm)
+                n_opt += 1
+                for k, v in step.items():
+                    opt_metrics[k] = opt_metrics.get(k, 0.0) + v
+        self.policy_version += 1
+        metrics = self._reduce(sums, opt_metrics, n_opt)
+        metrics["timing/train_step"] = time.perf_counter() - t0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return TrainStepResult(
+            metrics=metrics,
+            policy_version=self.policy_version,
+            num_samples=len(samples) * world,
+            num_optimizer_steps=n_opt,
+        )
+
+    def _mini_batch(self, batch: list[Sample], segment: dict[str, Any], *, first_pass: bool) -> dict[str, float]:
+        micro = self.cfg.micro_batch_size
+        n_micro = (len(batch) + micro - 1) // micro
+        sums: dict[str, float] = {}
+        reference = self.backend.reference if self.algorithm.needs_reference else None
+        for start in range(0, len(batch), micro):
+            ctx = LossContext(
+                policy=self.backend.module,
+                reference=reference,
+                loss_scale=1.0 / n_micro,
+                first_pass=first_pass,
+            )
+            part = self.algorithm.compute_loss_and_backward(batch[start : start + micro], segment, ctx)
+            self._accumulate(sums, part)
+        return sums
+
+    @staticmethod
+    def _accumulate(into: dict[str, float], part: dict[str, float]) -> None:
+        for k, v in part.items():
+            into[k] = into.get(k, 0.0) + float(v)
+
+    def _reduce(self, sums: dict[str, float], opt: dict[str, float], n_opt: int) -> dict[str, float]:
+        """Average metric sums over loss units on all ranks; optimizer metrics over steps."""
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            values = values.to(device)
+            dist.all_reduce(values)
+            values = values.cpu()
+        totals = dict(zip(keys, values.tolist()))
+        count = max(totals.pop("count", 1.0), 1.0)
+        out: dict[str, float] = {}
+        for k, v in totals.items():
+            if k.endswith("_count"):
+                continue
+            denom = totals.get(f"{k}_count", count)
+            if denom <= 0:
+                continue
+            prefix = "rollout/" if k == "logp_gap" else ("train/" if k in ("loss", "policy_loss", "kl") else "algo/")
+            out[prefix + k] = v / denom
+        out["train/grad_norm"] = opt.get("grad_norm", 0.0) / max(n_opt, 1)
+        out["train/lr"] = opt.get("lr", 0.0) / max(n_opt, 1)
+        out["train/optimizer_steps"] = float(n_opt)
+        return out

@@ -1,0 +1,1 @@
+"""Domain trainers: thin single controllers that own the stage order."""

@@ -1,0 +1,201 @@
+"""Facilities every domain trainer shares: validation, Ray, tracking, resume, progress, teardown.
+
+A domain trainer subclasses ``BaseTrainer``, declares its recipe sections, validates what only it
+knows (``validate_domain``) and writes ``run_steps``: the stage order, top to bottom.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from unirl_ray.config.recipe import RecipeError, flatten, instantiate, to_yaml, validate_targets
+from unirl_ray.runtime.cluster import RayConfig, check_cluster_fits, ensure_ray
+from unirl_ray.runtime.train_group import TrainGroup
+from unirl_ray.tracking import MLflowTracker, TrackingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The ``trainer:`` block shared by all domains."""
+
+    run_name: str
+    """Name of the run: same name + same storage_path resumes it."""
+    num_steps: int
+    """RL steps to train (one rollout batch each)."""
+    seed: int = 0
+    """Seed of every random choice (sampling noise, shuffles); re-runs of a step are identical."""
+    storage_path: str = "~/unirl_runs"
+    """Root folder (or URI) of checkpoints, the local MLflow store and run files."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every N steps (and always after the last step)."""
+    log_samples_every: int = 5
+    """Log sample media / text tables to MLflow every N steps (0: never)."""
+
+    def __post_init__(self) -> None:
+        if not self.run_name or any(c in self.run_name for c in "/\\ "):
+            raise ValueError(f"trainer.run_name must be a non-empty name without '/' or spaces, got {self.run_name!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"trainer.num_steps must be >= 1, got {self.num_steps}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"trainer.checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if "://" not in self.storage_path:
+            self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any tuple of values (same on every machine and Python run)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class BaseTrainer:
+    """Shared lifecycle; subclasses set ``domain``, ``worker_sections`` and implement the steps."""
+
+    domain = "base"
+    worker_sections: tuple[str, ...] = ()
+    """Recipe sections the train workers build (bundle, pipeline, backend, ...)."""
+    driver_sections: tuple[str, ...] = ("trainer", "ray", "tracking")
+
+    def __init__(self, recipe: DictConfig, *, allowed_target_prefixes: list[str] | None = None) -> None:
+        self.recipe = recipe
+        expected = set(self.worker_sections) | set(self.driver_sections)
+        unknown = sorted(set(recipe.keys()) - expected)
+        if unknown:
+            raise RecipeError(f"recipe has sections {unknown} that a {self.domain} recipe does not use; expected {sorted(expected)}")
+        missing = sorted(s for s in expected if s not in recipe or recipe[s] is None)
+        missing = [s for s in missing if s not in self.optional_sections()]
+        if missing:
+            raise RecipeError(f"recipe lacks the sections {missing} (a {self.domain} recipe needs {sorted(expected)})")
+        validate_targets(recipe, allowed_target_prefixes=allowed_target_prefixes)
+        self.run_cfg: RunConfig = self._build("trainer")
+        self.ray_cfg: RayConfig = self._build("ray")
+        self.tracking_cfg: TrackingConfig = self._build("tracking")
+        self.tracker = MLflowTracker(self.tracking_cfg)
+        self.group: TrainGroup | None = None
+        self.validate_domain()
+
+    def optional_sections(self) -> set[str]:
+        return set()
+
+    def _build(self, section: str, **kwargs: Any) -> Any:
+        return instantiate(self.recipe[section], _path=section, **kwargs)
+
+    def validate_domain(self) -> None:
+        """Domain checks on the driver, before any worker starts (raise ``RecipeError``)."""
+
+    def extra_resources(self) -> dict[str, float]:
+        """Resources of Serve apps etc. that must fit next to the train workers."""
+        return {}
+
+    # -------------------------------------------------------------- lifecycle
+    def fit(self) -> dict[str, Any]:
+        """Run (or resume) the job to ``num_steps``; returns the last step's metrics."""
+        print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
+        where = ensure_ray(self.ray_cfg)
+        log.info("running on %s", where)
+        check_cluster_fits(self.ray_cfg, self.extra_resources())
+        status = "FAILED"
+        try:
+            self.start_services()
+            announced = self.start_workers()
+            state = announced.get("controller") or {}
+            start_step = int(announced.get("restored_step", 0))
+            self.start_tracking(state.get("mlflow_run_id"), resumed=start_step > 0)
+            self.restore(state)
+            if start_step:
+                print(f"resuming {self.run_cfg.run_name} after step {start_step}", flush=True)
+            last = self.run_steps(start_step)
+            status = "FINISHED"
+            return last
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self.teardown(status)
+
+    def start_services(self) -> None:
+        """Deploy Serve apps (rewards, engines) before the workers start."""
+
+    def start_workers(self) -> dict[str, Any]:
+        sections = {name: OmegaConf.to_container(self.recipe[name], resolve=True) for name in self.worker_sections if self.recipe.get(name) is not None}
+        self.group = TrainGroup(
+            sections=sections,
+            ray_cfg=self.ray_cfg,
+            run_name=self.run_cfg.run_name,
+            storage_path=self.run_cfg.storage_path,
+            seed=self.run_cfg.seed,
+        )
+        t0 = time.perf_counter()
+        announced = self.group.start()
+        log.info("%d train workers ready in %.1fs", self.group.world_size, time.perf_counter() - t0)
+        return announced
+
+    def start_tracking(self, run_id: str | None, *, resumed: bool) -> None:
+        run_root = self.run_cfg.storage_path
+        tags = {"unirl.domain": self.domain, "unirl.demo_model": str(self.is_demo()).lower()}
+        self.tracker.start(run_root, self.run_cfg.run_name, run_id=run_id, tags=tags)
+        if not resumed:
+            self.tracker.log_params(flatten(self.recipe))
+            self.tracker.log_text(to_yaml(self.recipe), "recipe.yaml")
+        if self.is_demo():
+            log.warning("DEMO MODEL: no pretrained weights given, training a tiny randomly initialised model")
+
+    def is_demo(self) -> bool:
+        return False
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Restore the controller's own state (data cursor, ...) from a checkpoint."""
+
+    def controller_state(self) -> dict[str, Any]:
+        return {"mlflow_run_id": self.tracker.run_id}
+
+    def save_checkpoint(self, step: int) -> str:
+        t0 = time.perf_counter()
+        path = self.group.save(step, self.controller_state())
+        self.tracker.log_metrics({"timing/checkpoint": time.perf_counter() - t0}, step=step)
+        return path
+
+    def run_steps(self, start_step: int) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement run_steps")
+
+    def teardown(self, status: str) -> None:
+        if self.group is not None:
+            self.group.stop()
+        self.stop_services()
+        if self.tracker.run_id:
+            self.tracker.end(status)
+            print(
+                f"MLflow run {self.tracker.run_id} ({status}) in {self.tracker.tracking_uri}\n"
+                f"  open it with: {self.tracker.ui_command}",
+                flush=True,
+            )
+
+    def stop_services(self) -> None:
+        """Delete the Serve apps this run deployed."""
+
+
+def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """One concise line per step for the driver's console."""
+    def get(key: str) -> float:
+        return float(metrics.get(key, float("nan")))
+
+    return (
+        f"step {step}/{total} | reward {get('reward/mean'):.4f} ± {get('reward/std'):.4f} | "
+        f"loss {get('train/loss'):.4g} | clip {get('algo/clip_frac'):.3f} | "
+        f"rollout {get('timing/rollout'):.2f}s reward {get('timing/reward'):.2f}s train {get('timing/train'):.2f}s | "
+        f"{get('perf/samples_per_s'):.1f} samples/s"
+    )
+
+
+def console(line: str) -> None:
+    print(line, file=sys.stdout, flush=True)

@@ -1,0 +1,167 @@
+"""Tiny SD3: offline build, Flow-GRPO sampling shapes, finite and exactly recomputable log-probs."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from unirl_ray.models.sd3 import SD3Bundle, SD3Pipeline, SD3PipelineConfig, TinySD3Config
+from unirl_ray.models.sd3.pipeline import gaussian_log_prob, sde_step_stats
+from unirl_ray.models.sd3.tiny import build_tiny_sd3_pipeline
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return SD3Bundle.from_config(SD3PipelineConfig())
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle):
+    return SD3Pipeline(bundle, num_inference_steps=STEPS, height=32, width=32)
+
+
+@pytest.fixture(scope="module")
+def sampled(pipe):
+    return pipe.sample(["a red cat", "a blue dog", "a tree"], [11, 22, 33])
+
+
+def test_tiny_model_builds_offline_and_is_seeded(bundle):
+    assert bundle.is_demo
+    n = sum(p.numel() for p in bundle.transformer.parameters())
+    assert 1e5 <= n <= 1e6
+    assert all(not p.requires_grad for m in bundle.frozen_modules() for p in m.parameters())
+    assert all(p.requires_grad for p in bundle.transformer.parameters())
+    again = build_tiny_sd3_pipeline(TinySD3Config(seed=0)).transformer.state_dict()
+    other = build_tiny_sd3_pipeline(TinySD3Config(seed=1)).transformer.state_dict()
+    for k, v in bundle.transformer.state_dict().items():
+        assert torch.equal(v, again[k]), k
+    assert any(not torch.equal(v, other[k]) for k, v in again.items())
+
+
+def test_sample_shapes(pipe, sampled):
+    assert len(sampled) == 3
+    part, image = sampled[0]
+    assert part.latents.shape == (STEPS + 1, 4, 16, 16)
+    assert part.log_probs.shape == (STEPS,)
+    assert part.sigmas.shape == (STEPS + 1,)
+    assert part.sigmas[0] == 1.0 and part.sigmas[-1] == 0.0
+    assert part.cond["prompt_embeds"].dim() == 2 and part.cond["pooled"].dim() == 1
+    assert image.shape == (32, 32, 3) and image.dtype == np.uint8
+    assert part.num_steps == STEPS
+
+
+@pytest.mark.parametrize("steps", [1, 2, 8])
+def test_log_probs_finite_including_last_step(bundle, steps):
+    pipe = SD3Pipeline(bundle, num_inference_steps=steps, height=32, width=32)
+    part, image = pipe.sample(["x"], [5])[0]
+    assert torch.isfinite(part.log_probs).all() and torch.isfinite(part.latents).all()
+    batch = pipe.collate([part])
+    lp, mean, std = pipe.step_log_prob(bundle.transformer, batch, torch.tensor([steps - 1]))
+    assert torch.isfinite(lp).all() and (std > 0).all()
+
+
+def test_sde_step_math_hand_computed():
+    x, v = torch.full((1, 2), 0.5), torch.full((1, 2), -1.0)
+    sigma, sigma_next, second = torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([0.9])
+    mean, std = sde_step_stats(x, v, sigma, sigma_next, second, noise_level=0.5)
+    # std_t = 0.5 * sqrt(0.5 / 0.5) = 0.5; dt = -0.25
+    # mean = 0.5 * (1 + 0.25 / 1 * -0.25) + -1 * (1 + 0.25 * 0.5 / 1) * -0.25 = 0.46875 + 0.28125
+    assert torch.allclose(mean, torch.full((1, 2), 0.75))
+    assert torch.allclose(std, torch.tensor([0.25]))
+    lp = gaussian_log_prob(mean, mean, std)
+    assert torch.allclose(lp, torch.tensor([-np.log(0.25) - 0.5 * np.log(2 * np.pi)], dtype=torch.float32))
+    # sigma == 1 uses the schedule's second sigma in the denominator: finite std
+    _, std1 = sde_step_stats(x, v, torch.tensor([1.0]), torch.tensor([0.9]), second, noise_level=0.7)
+    assert torch.isfinite(std1).all()
+
+
+def test_recomputed_log_probs_match_recorded(pipe, bundle, sampled):
+    batch = pipe.collate([p for p, _ in sampled])
+    assert batch["latents"].shape == (3, STEPS + 1, 4, 16, 16) and batch["log_probs"].shape == (3, STEPS)
+    for j in range(STEPS):
+        lp, mean, std = pipe.step_log_prob(bundle.transformer, batch, torch.full((3,), j))
+        assert lp.requires_grad and mean.shape == (3, 4, 16, 16) and std.shape == (3,)
+        assert torch.allclose(lp, batch["log_probs"][:, j], atol=1e-5, rtol=0)
+    mixed = torch.tensor([3, 0, 2])
+    lp, _, _ = pipe.step_log_prob(bundle.transformer, batch, mixed)
+    assert torch.allclose(lp, batch["log_probs"][torch.arange(3), mixed], atol=1e-5, rtol=0)
+    lp.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in bundle.transformer.parameters())
+    bundle.transformer.zero_grad(set_to_none=True)
+
+
+def test_cfg_sampling_and_recomputation_agree(bundle):
+    pipe = SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32, guidance_scale=4.0)
+    parts = [p for p, _ in pipe.sample(["a", "b"], [1, 2])]
+    assert "negative_prompt_embeds" in parts[0].cond and "negative_pooled" in parts[0].cond
+    batch = pipe.collate(parts)
+    for j in range(2):
+        lp, _, _ = pipe.step_log_prob(bundle.transformer, batch, torch.full((2,), j))
+        assert torch.allclose(lp, batch["log_probs"][:, j], atol=1e-5, rtol=0)
+
+
+def test_same_seed_same_sample_regardless_of_batch(pipe, sampled):
+    alone, image = pipe.sample(["a blue dog"], [22])[0]
+    ref, ref_image = sampled[1]
+    assert torch.allclose(alone.latents, ref.latents, atol=1e-5)
+    assert torch.allclose(alone.log_probs, ref.log_probs, atol=1e-5)
+    assert np.abs(image.astype(int) - ref_image.astype(int)).max() <= 1
+    other, _ = pipe.sample(["a blue dog"], [23])[0]
+    assert not torch.allclose(other.latents[0], ref.latents[0])
+
+
+def test_sampling_is_fast_enough_to_be_useful(pipe):
+    pipe.sample(["warm"], [0])
+    t0 = time.perf_counter()
+    pipe.sample(["a", "b"], [0, 1])
+    print(f"tiny SD3 sample, 2 x {STEPS} steps at 32x32: {time.perf_counter() - t0:.3f} s")
+
+
+def test_bad_settings_raise(bundle):
+    with pytest.raises(ValueError, match="multiples of 4"):
+        SD3Pipeline(bundle, num_inference_steps=2, height=30, width=32)
+    with pytest.raises(ValueError, match="num_inference_steps"):
+        SD3Pipeline(bundle, num_inference_steps=0, height=32, width=32)
+    with pytest.raises(ValueError, match="noise_level"):
+        SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32, noise_level=0.0)
+    pipe = SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32)
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        pipe.sample(["a", "b"], [1])
+
+
+def test_bad_paths_raise(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="does not exist"):
+        SD3PipelineConfig(pretrained_model_ckpt_path=str(missing))
+    with pytest.raises(ValueError, match="model_index.json"):
+        SD3PipelineConfig(pretrained_model_ckpt_path=str(tmp_path))
+    with pytest.raises(ValueError, match="torch_dtype"):
+        SD3PipelineConfig(torch_dtype="float64")
+
+
+def test_latent_factor_from_json_only(tmp_path):
+    (tmp_path / "model_index.json").write_text("{}")
+    for sub, cfg in {"vae": {"block_out_channels": [8, 16, 32, 64]}, "transformer": {"patch_size": 2}}.items():
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "config.json").write_text(json.dumps(cfg))
+    cfg = SD3PipelineConfig(pretrained_model_ckpt_path=str(tmp_path))
+    assert not cfg.is_demo and cfg.latent_factor() == 16
+    cfg.validate_resolution(512, 256)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cfg.validate_resolution(520, 512)
+    assert SD3PipelineConfig().latent_factor() == 4
+
+
+def test_save_and_load_local_folder(tmp_path):
+    build_tiny_sd3_pipeline(TinySD3Config(seed=3)).save_pretrained(tmp_path)
+    bundle = SD3Bundle.from_config(SD3PipelineConfig(pretrained_model_ckpt_path=str(tmp_path)))
+    assert not bundle.is_demo and bundle.config.latent_factor() == 4
+    ref = build_tiny_sd3_pipeline(TinySD3Config(seed=3)).transformer.state_dict()
+    for k, v in bundle.transformer.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    part, _ = SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32).sample(["a"], [0])[0]
+    assert torch.isfinite(part.log_probs).all()

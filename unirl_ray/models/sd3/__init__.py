@@ -1,0 +1,30 @@
+"""Stable Diffusion 3 family: config, component bundle, Flow-GRPO sampling pipeline, tiny demo model.
+
+Names are imported lazily: ``from unirl_ray.models.sd3 import SD3PipelineConfig`` does not import
+diffusers / transformers (only ``SD3Bundle``, ``SD3Pipeline`` and the tiny builder do).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unirl_ray.models.sd3.bundle import SD3Bundle
+    from unirl_ray.models.sd3.config import SD3PipelineConfig, TinySD3Config
+    from unirl_ray.models.sd3.pipeline import SD3Pipeline
+
+_EXPORTS = {
+    "SD3Bundle": "bundle",
+    "SD3Pipeline": "pipeline",
+    "SD3PipelineConfig": "config",
+    "TinySD3Config": "config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,0 +1,138 @@
+"""MLflow tracking against a local SQLite store, and the fallback when the backend is down."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from unirl_ray.tracking import MLflowTracker, TrackingConfig, image_grid, sanitize_key
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory):
+    """One run root (and SQLite DB, ~6 s of migrations) shared by the tests of this module."""
+    mp = pytest.MonkeyPatch()
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = tmp_path_factory.mktemp("runs")
+    from mlflow import MlflowClient
+
+    tracker = MLflowTracker(TrackingConfig(experiment_name="warmup"))
+    tracker.start(str(root), "warmup")
+    tracker.end()
+    assert not tracker.degraded
+    yield root, MlflowClient(tracking_uri=tracker.tracking_uri)
+    mp.undo()
+
+
+def images(n: int, value: int = 0) -> list[np.ndarray]:
+    return [np.full((8, 8, 3), value + i, dtype=np.uint8) for i in range(n)]
+
+
+def test_run_logs_params_metrics_images_and_artifacts(store) -> None:
+    root, client = store
+    tracker = MLflowTracker(TrackingConfig(experiment_name="logs"))
+    run_id = tracker.start(str(root), "run_a", tags={"domain": "diffusion"})
+    assert tracker.tracking_uri == f"sqlite:///{root.resolve() / 'mlflow.db'}"
+    assert tracker.ui_command.startswith(f"mlflow ui --backend-store-uri {tracker.tracking_uri}")
+    params = {f"p.{i:03d}": i for i in range(150)} | {"reward.weight": 0.5}
+    tracker.log_params(params)  # more than one batch of 100
+    tracker.log_metrics({"reward/mean": 0.25, "algo/kl": math.nan, "bad key!": 1.0}, step=0)
+    tracker.log_metrics({"reward/mean": 0.75}, step=1)
+    tracker.log_images(step=0, images=images(3), captions=["a cat", "a dog", "a fox"])
+    tracker.log_text("trainer:\n  num_steps: 2\n", "recipe.yaml")
+    tracker.log_dict({"step": 1}, "state.json")
+    tracker.log_table({"prompt": ["p0", "p1"], "reward": [0.1, 0.2]}, "text/step_000001.json")
+    tracker.end()
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["domain"] == "diffusion"
+    assert len(run.data.params) == 151 and run.data.params["reward.weight"] == "0.5"
+    history = client.get_metric_history(run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(0, 0.25), (1, 0.75)]
+    assert set(run.data.metrics) == {"reward/mean", "bad key_"}  # NaN skipped, key sanitised
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.artifact_location == (root.resolve() / "mlartifacts").as_uri()
+    files = {a.path for a in client.list_artifacts(run_id)}
+    assert {"recipe.yaml", "state.json", "samples", "text"} <= files
+    assert [a.path for a in client.list_artifacts(run_id, "samples")] == [
+        "samples/step_000000.json"
+    ]
+    table = json.loads(
+        Path(client.download_artifacts(run_id, "samples/step_000000.json")).read_text()
+    )
+    assert "a dog" in json.dumps(table)
+    assert client.list_artifacts(run_id, "images")  # the grid logged by log_image(key=, step=)
+
+
+def test_resume_continues_the_same_run(store) -> None:
+    root, client = store
+    first = MLflowTracker(TrackingConfig(experiment_name="resume"))
+    run_id = first.start(str(root), "run_b")
+    first.log_params({"lr": 0.001})
+    first.log_metrics({"train/loss": 1.0}, step=0)
+    first.end(status="KILLED")
+
+    second = MLflowTracker(TrackingConfig(experiment_name="resume"))
+    assert second.start(str(root), "run_b", run_id=run_id) == run_id
+    second.log_params({"lr": 0.001, "seed": 3})  # identical lr is skipped, not an error
+    second.log_metrics({"train/loss": 0.5}, step=1)
+    second.end()
+    assert not second.degraded
+
+    experiment = client.get_experiment_by_name("resume")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]
+    assert runs[0].info.status == "FINISHED" and runs[0].data.params == {"lr": "0.001", "seed": "3"}
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0, 1]
+
+
+def test_dead_server_falls_back_to_jsonl_with_one_warning(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    tracker = MLflowTracker(TrackingConfig(tracking_uri="http://127.0.0.1:1"))
+    with caplog.at_level(logging.WARNING, logger="unirl_ray.tracking.mlflow_tracker"):
+        assert tracker.start(str(tmp_path), "dead") == ""
+        tracker.log_params({"lr": 0.1})
+        tracker.log_metrics({"reward/mean": 0.5}, step=0)
+        tracker.log_metrics({"reward/mean": 0.6, "x": math.inf}, step=1)
+        tracker.log_images(step=0, images=images(2), captions=["a", "b"])
+        tracker.log_text("hello", "notes.txt")
+        tracker.end()
+    assert tracker.degraded
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "127.0.0.1:1" in warnings[0].getMessage()
+    lines = (tmp_path / "dead" / "metrics_fallback.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines if '"metrics"' in line]
+    assert [(m["step"], m["metrics"]) for m in metrics] == [
+        (0, {"reward/mean": 0.5}),
+        (1, {"reward/mean": 0.6}),
+    ]
+    artifacts = tmp_path / "dead" / "fallback_artifacts"
+    assert (artifacts / "notes.txt").read_text() == "hello"
+    assert (artifacts / "samples" / "step_000000.png").is_file()
+
+
+def test_disabled_tracker_is_a_no_op(tmp_path) -> None:
+    tracker = MLflowTracker(TrackingConfig(enabled=False))
+    assert tracker.start(str(tmp_path), "off") == ""
+    tracker.log_metrics({"a": 1.0}, step=0)
+    tracker.end()
+    assert tracker.run_id is None and not (tmp_path / "off").exists()
+    assert not tracker.should_log_samples(0)
+
+
+def test_helpers() -> None:
+    grid = image_grid(images(3) + [np.ones((4, 6, 3), dtype=np.float32)])
+    assert grid.size == (2 * 8 + 2, 2 * 8 + 2)  # 2x2 cells of the largest image, 2 px apart
+    assert grid.getpixel((0, 0)) == (0, 0, 0) and grid.getpixel((10, 10)) == (255, 255, 255)
+    assert sanitize_key("/reward//mean@x/") == "reward/mean_x"
+    assert sanitize_key("../a") == "a"
+    tracker = MLflowTracker(TrackingConfig(log_samples_every=5))
+    assert [s for s in range(12) if tracker.should_log_samples(s)] == [0, 5, 10]
+    with pytest.raises(ValueError, match="log_samples_every"):
+        TrackingConfig(log_samples_every=-1)

@@ -1,0 +1,433 @@
+"""MLflow tracking for the driver: params, metrics, the resolved recipe, sample images and tables.
+
+Without a tracking URI (config or ``MLFLOW_TRACKING_URI``) the store is a local SQLite DB in the run
+folder, with artifacts beside it, so ``mlflow ui`` shows it (``MLflowTracker.ui_command``).
+
+Tracking must never stop training: the first failure of the backend (server down, bad store, any
+exception) logs one warning; from then on metrics are appended as JSON lines to
+``<run_root>/<run_name>/metrics_fallback.jsonl`` and artifacts are written under
+``<run_root>/<run_name>/fallback_artifacts/``. No ``log_*`` call raises.
+
+All calls go through an ``MlflowClient`` with the explicit run id (no global active run), under a
+lock, so the tracker can be used from several driver threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_PARAMS_PER_BATCH = 100
+_METRICS_PER_BATCH = 1000
+_MAX_KEY_CHARS = 250
+_MAX_PARAM_VALUE_CHARS = 6000
+_BAD_KEY_CHARS = re.compile(r"[^\w\-. /:]")
+
+
+@dataclass(kw_only=True)
+class TrackingConfig:
+    """Where and what to track in MLflow."""
+
+    experiment_name: str = "unirl_ray"
+    """MLflow experiment the run goes to (created when missing)."""
+    tracking_uri: str | None = None
+    """Tracking store; None: env MLFLOW_TRACKING_URI, else ``sqlite:///<run_root>/mlflow.db``."""
+    artifact_location: str | None = None
+    """Artifact root of a new experiment; None: ``<run_root>/mlartifacts`` for a SQLite store."""
+    log_samples_every: int = 5
+    """Log sample images/text tables every this many steps (0: never)."""
+    enabled: bool = True
+    """False turns every call into a no-op."""
+
+    def __post_init__(self) -> None:
+        if self.log_samples_every < 0:
+            raise ValueError(
+                "tracking.log_samples_every must be >= 0 (0 disables samples),"
+                f" got {self.log_samples_every}"
+            )
+        if not self.experiment_name:
+            raise ValueError("tracking.experiment_name must not be empty")
+
+
+def resolve_tracking_uri(config: TrackingConfig, run_root: str | Path) -> str:
+    """The config's URI, else env ``MLFLOW_TRACKING_URI``, else a SQLite DB in ``run_root``."""
+    if config.tracking_uri:
+        return config.tracking_uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{Path(run_root).resolve() / 'mlflow.db'}"
+
+
+def sanitize_key(key: str) -> str:
+    """Make ``key`` a valid MLflow metric/param name: bad characters -> ``_``, no empty segments."""
+    text = _BAD_KEY_CHARS.sub("_", str(key))
+    parts = [p for p in text.split("/") if p not in ("", ".", "..")]
+    return "/".join(parts)[:_MAX_KEY_CHARS] or "_"
+
+
+def image_grid(images: Sequence[np.ndarray]) -> Any:
+    """Tile HxWx3 images (uint8, or float in [0, 1]) into one PIL image, row-major, 2 px apart."""
+    from PIL import Image
+
+    arrays = [_to_uint8_rgb(img) for img in images]
+    cols = math.ceil(math.sqrt(len(arrays)))
+    rows = math.ceil(len(arrays) / cols)
+    cell_h = max(a.shape[0] for a in arrays)
+    cell_w = max(a.shape[1] for a in arrays)
+    pad = 2
+    grid = Image.new("RGB", (cols * (cell_w + pad) - pad, rows * (cell_h + pad) - pad), "white")
+    for index, array in enumerate(arrays):
+        row, col = divmod(index, cols)
+        grid.paste(Image.fromarray(array), (col * (cell_w + pad), row * (cell_h + pad)))
+    return grid
+
+
+def _to_uint8_rgb(image: np.ndarray) -> np.ndarray:
+    array = np.asarray(image)
+    if array.ndim == 2:
+        array = np.repeat(array[:, :, None], 3, axis=2)
+    if array.ndim != 3 or array.shape[2] not in (1, 3, 4):
+        raise ValueError(f"expected an HxWx3 image, got shape {array.shape}")
+    if array.shape[2] == 1:
+        array = np.repeat(array, 3, axis=2)
+    array = array[:, :, :3]
+    if array.dtype != np.uint8:
+        array = np.clip(np.nan_to_num(array.astype(np.float32)) * 255.0, 0, 255).round()
+        array = array.astype(np.uint8)
+    return np.ascontiguousarray(array)
+
+
+def _dump_dict(dictionary: Mapping[str, Any], artifact_file: str) -> str:
+    if artifact_file.endswith(".json"):
+        return json.dumps(dictionary, indent=2, default=str)
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(dictionary, default=str)), sort_keys=False)
+
+
+class MLflowTracker:
+    """Logs one training run to MLflow, degrading to local files if the backend fails."""
+
+    def __init__(self, config: TrackingConfig | None = None) -> None:
+        self.config = config or TrackingConfig()
+        self._client: Any = None
+        self._run_id: str | None = None
+        self._tracking_uri: str | None = None
+        self._local_dir: Path | None = None
+        self._degraded = False
+        self._ended = False
+        self._logged_params: dict[str, str] = {}
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(
+        self,
+        run_root: str,
+        run_name: str,
+        run_id: str | None = None,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Open (or, with ``run_id``, resume) the run; return its id ("" if off or failed)."""
+        if not self.config.enabled:
+            return ""
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        root = Path(run_root).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        self._local_dir = root / run_name
+        self._tracking_uri = resolve_tracking_uri(self.config, root)
+        self._degraded = self._ended = False
+        with self._lock:
+            try:
+                self._run_id = self._open_run(root, run_name, run_id, tags or {})
+            except Exception as exc:  # noqa: BLE001 - tracking must not stop training
+                self._run_id = run_id
+                self._degrade("start", exc)
+        return self._run_id or ""
+
+    def _open_run(
+        self, root: Path, run_name: str, run_id: str | None, tags: Mapping[str, Any]
+    ) -> str:
+        from mlflow import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self._tracking_uri)
+        experiment_id = self._experiment_id(root)
+        str_tags = {str(k): str(v) for k, v in tags.items()}
+        if run_id and self._resume(run_id, str_tags):
+            return run_id
+        run = self._client.create_run(experiment_id, run_name=run_name, tags=str_tags)
+        self._logged_params = {}
+        logger.info(
+            "MLflow run %s at %s; view with: %s",
+            run.info.run_id,
+            self._tracking_uri,
+            self.ui_command,
+        )
+        return run.info.run_id
+
+    def _experiment_id(self, root: Path) -> str:
+        name = self.config.experiment_name
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is not None:
+            if experiment.lifecycle_stage == "deleted":
+                self._client.restore_experiment(experiment.experiment_id)
+            return experiment.experiment_id
+        location = self.config.artifact_location
+        if location is None and str(self._tracking_uri).startswith("sqlite:"):
+            location = (root / "mlartifacts").as_uri()
+        try:
+            return self._client.create_experiment(name, artifact_location=location)
+        except Exception:  # another process may have created it meanwhile
+            experiment = self._client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
+
+    def _resume(self, run_id: str, tags: Mapping[str, str]) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self._client.get_run(run_id)
+        except MlflowException as exc:
+            logger.warning(
+                "MLflow run %s not found in %s (%s); starting a new run",
+                run_id,
+                self._tracking_uri,
+                exc,
+            )
+            return False
+        self._client.update_run(run_id, status="RUNNING")
+        for key, value in tags.items():
+            self._client.set_tag(run_id, key, value)
+        self._logged_params = dict(run.data.params)
+        logger.info("resumed MLflow run %s at %s", run_id, self._tracking_uri)
+        return True
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Mark the run ended (``FINISHED``, ``FAILED`` or ``KILLED``); later logs are dropped."""
+
+        def call() -> None:
+            self._client.set_terminated(self._run_id, status=status)
+
+        self._guarded("end", call, lambda: self._append_jsonl({"end": status, "time": time.time()}))
+        self._ended = True
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id (None before ``start`` or when disabled)."""
+        return self._run_id
+
+    @property
+    def tracking_uri(self) -> str | None:
+        """The tracking store in use (None before ``start``)."""
+        return self._tracking_uri
+
+    @property
+    def ui_command(self) -> str:
+        """How to look at this run: an ``mlflow ui`` command for a local store, else the URL."""
+        uri = self._tracking_uri or ""
+        if uri.startswith(("http://", "https://", "databricks")):
+            return f"open {uri} in a browser"
+        return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+
+    @property
+    def degraded(self) -> bool:
+        """True once the backend failed and logging goes to the local fallback files."""
+        return self._degraded
+
+    @property
+    def fallback_metrics_path(self) -> Path | None:
+        """``<run_root>/<run_name>/metrics_fallback.jsonl`` (None before ``start``)."""
+        return self._local_dir / "metrics_fallback.jsonl" if self._local_dir else None
+
+    def should_log_samples(self, step: int) -> bool:
+        """Whether ``step`` is a sample-logging step (every ``log_samples_every`` steps)."""
+        every = self.config.log_samples_every
+        return self.config.enabled and every > 0 and step % every == 0
+
+    # ------------------------------------------------------------------ logging
+
+    def log_params(self, flat: Mapping[str, Any]) -> None:
+        """Log flat params in batches of 100; ones already on a resumed run are skipped."""
+        params = {sanitize_key(k): str(v)[:_MAX_PARAM_VALUE_CHARS] for k, v in flat.items()}
+        changed = sorted(
+            k for k, v in params.items() if k in self._logged_params and self._logged_params[k] != v
+        )
+        if changed:
+            logger.warning(
+                "MLflow params cannot change within a run; keeping old values of %s", changed
+            )
+        fresh = {k: v for k, v in params.items() if k not in self._logged_params}
+
+        def call() -> None:
+            from mlflow.entities import Param
+
+            items = list(fresh.items())
+            for start in range(0, len(items), _PARAMS_PER_BATCH):
+                batch = [Param(k, v) for k, v in items[start : start + _PARAMS_PER_BATCH]]
+                self._client.log_batch(self._run_id, params=batch)
+                self._logged_params.update((p.key, p.value) for p in batch)
+
+        if fresh:
+            self._guarded("log_params", call, lambda: self._append_jsonl({"params": fresh}))
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log finite scalar metrics at ``step`` (non-finite or non-numeric ones are skipped)."""
+        clean: dict[str, float] = {}
+        for key, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                logger.debug("metric %s=%r is not a number; skipped", key, value)
+                continue
+            if not math.isfinite(number):
+                logger.debug("metric %s=%r at step %d is not finite; skipped", key, number, step)
+                continue
+            clean[sanitize_key(key)] = number
+        if not clean:
+            return
+        timestamp = int(time.time() * 1000)
+
+        def call() -> None:
+            from mlflow.entities import Metric
+
+            items = [Metric(k, v, timestamp, int(step)) for k, v in clean.items()]
+            for start in range(0, len(items), _METRICS_PER_BATCH):
+                self._client.log_batch(
+                    self._run_id, metrics=items[start : start + _METRICS_PER_BATCH]
+                )
+
+        record = {"step": int(step), "time": timestamp / 1000, "metrics": clean}
+        self._guarded("log_metrics", call, lambda: self._append_jsonl(record))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Store ``text`` as the artifact ``artifact_file`` (e.g. ``recipe.yaml``)."""
+        self._guarded(
+            "log_text",
+            lambda: self._client.log_text(self._run_id, text, artifact_file),
+            lambda: self._write_local(artifact_file, text),
+        )
+
+    def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
+        """Store a dict as a JSON (``.json``) or YAML (other suffixes) artifact."""
+        self._guarded(
+            "log_dict",
+            lambda: self._client.log_dict(self._run_id, dict(dictionary), artifact_file),
+            lambda: self._write_local(artifact_file, _dump_dict(dictionary, artifact_file)),
+        )
+
+    def log_table(self, data: Mapping[str, list], artifact_file: str) -> None:
+        """Store columns of equal length as an MLflow table artifact (``.json``)."""
+        self._guarded(
+            "log_table",
+            lambda: self._client.log_table(
+                self._run_id, data=dict(data), artifact_file=artifact_file
+            ),
+            lambda: self._write_local(artifact_file, json.dumps(dict(data), default=str)),
+        )
+
+    def log_recipe(self, cfg: Any) -> None:
+        """Log a resolved recipe: flattened params and the YAML text as ``recipe.yaml``."""
+        from unirl_ray.config.recipe import flatten, to_yaml
+
+        self.log_params(flatten(cfg))
+        self.log_text(to_yaml(cfg), "recipe.yaml")
+
+    def log_images(
+        self, step: int, images: Sequence[np.ndarray], captions: Sequence[str], key: str = "samples"
+    ) -> None:
+        """Log one grid image of ``images`` at ``step`` (``key``) and their captions as a table
+        ``<key>/step_{step:06d}.json``."""
+        if not images:
+            return
+        captions = [str(c) for c in captions][: len(images)]
+        if len(captions) < len(images):
+            logger.warning("log_images got %d captions for %d images", len(captions), len(images))
+            captions += [""] * (len(images) - len(captions))
+        try:
+            grid = image_grid(images)
+        except Exception as exc:  # noqa: BLE001 - bad images must not stop training
+            logger.warning("cannot make an image grid at step %d: %s", step, exc)
+            return
+        table = {
+            "step": [int(step)] * len(images),
+            "index": list(range(len(images))),
+            "caption": captions,
+        }
+        table_file = f"{key}/step_{step:06d}.json"
+
+        def call() -> None:
+            self._client.log_image(self._run_id, grid, key=sanitize_key(key), step=int(step))
+            self._client.log_table(self._run_id, data=table, artifact_file=table_file)
+
+        def fallback() -> None:
+            self._write_local(table_file, json.dumps(table))
+            path = self._fallback_path(f"{key}/step_{step:06d}.png")
+            grid.save(path)
+
+        self._guarded("log_images", call, fallback)
+
+    # ------------------------------------------------------------------ resilience
+
+    def _guarded(self, what: str, call: Callable[[], None], fallback: Callable[[], None]) -> None:
+        """Run ``call`` against MLflow; on any failure degrade once and use ``fallback``."""
+        if not self.config.enabled or self._ended:
+            return
+        if self._local_dir is None:
+            logger.warning("MLflowTracker.%s called before start(); ignored", what)
+            return
+        with self._lock:
+            if not self._degraded and self._run_id is not None:
+                try:
+                    call()
+                    return
+                except Exception as exc:  # noqa: BLE001 - tracking must not stop training
+                    self._degrade(what, exc)
+            try:
+                fallback()
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("fallback for %s failed: %s", what, exc)
+
+    def _degrade(self, what: str, exc: BaseException) -> None:
+        if not self._degraded:
+            logger.warning(
+                "MLflow tracking at %s failed in %s (%s: %s); training continues, metrics go to %s",
+                self._tracking_uri,
+                what,
+                type(exc).__name__,
+                str(exc)[:300],
+                self.fallback_metrics_path,
+            )
+        self._degraded = True
+
+    def _append_jsonl(self, record: Mapping[str, Any]) -> None:
+        path = self.fallback_metrics_path
+        assert path is not None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, default=str) + "\n")
+
+    def _fallback_path(self, artifact_file: str) -> Path:
+        assert self._local_dir is not None
+        path = self._local_dir / "fallback_artifacts" / artifact_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _write_local(self, artifact_file: str, text: str) -> None:
+        self._fallback_path(artifact_file).write_text(text, encoding="utf-8")

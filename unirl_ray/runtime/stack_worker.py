@@ -34,18 +34,18 @@ class StackWorker:
     def __init__(self, sections: dict[str, Any], *, topology: TrainTopology, device: torch.device) -> None:
         self.topology = topology
         self.device = device
-        self.bundle = instantiate(sections["bundle"], _path="bundle")
+        self.bundle = instantiate(sections["bundle"])
         if hasattr(self.bundle, "to"):
             self.bundle.to(device)
-        self.pipeline = instantiate(sections["pipeline"], _path="pipeline", bundle=self.bundle)
-        self.backend = instantiate(sections["backend"], _path="backend", bundle=self.bundle)
-        self.algorithm = instantiate(sections["algorithm"], _path="algorithm", pipeline=self.pipeline)
-        self.stack = instantiate(sections["stack"], _path="stack", fsdp_backend=self.backend, algorithm=self.algorithm)
+        self.pipeline = instantiate(sections["pipeline"], bundle=self.bundle)
+        self.backend = instantiate(sections["backend"], bundle=self.bundle)
+        self.algorithm = instantiate(sections["algorithm"], pipeline=self.pipeline)
+        self.stack = instantiate(sections["stack"], fsdp_backend=self.backend, algorithm=self.algorithm)
         self.backend.setup(topology=topology, device=device, needs_reference=self.algorithm.needs_reference)
         self.rollout = None
         if sections.get("rollout") is not None:
             self.rollout = instantiate(
-                sections["rollout"], _path="rollout", pipeline=self.pipeline, backend=self.backend
+                sections["rollout"], pipeline=self.pipeline, backend=self.backend
             )
         self._cache: dict[str, Sample] = {}
 

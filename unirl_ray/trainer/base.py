@@ -38,8 +38,6 @@ class RunConfig:
     """Root folder (or URI) of checkpoints, the local MLflow store and run files."""
     checkpoint_every: int = 10
     """Save a checkpoint every N steps (and always after the last step)."""
-    log_samples_every: int = 5
-    """Log sample media / text tables to MLflow every N steps (0: never)."""
 
     def __post_init__(self) -> None:
         if not self.run_name or any(c in self.run_name for c in "/\\ "):
@@ -88,7 +86,7 @@ class BaseTrainer:
         return set()
 
     def _build(self, section: str, **kwargs: Any) -> Any:
-        return instantiate(self.recipe[section], _path=section, **kwargs)
+        return instantiate(self.recipe[section], **kwargs)
 
     def validate_domain(self) -> None:
         """Domain checks on the driver, before any worker starts (raise ``RecipeError``)."""

@@ -49,15 +49,16 @@ class DiffusionTrainer(BaseTrainer):
     def validate_domain(self) -> None:
         recipe = self.recipe
         self.prompts_per_step = self.run_cfg.prompts_per_step
+        self.prompt_log: list[tuple[int, list[str]]] = []  # (step, prompts) trained in this process
         self.data = self._build("data")
         self.reward_cfg = self._build("reward")
         self.algorithm = self._build("algorithm")  # driver copy: advantages only (no pipeline)
         self.group_size = int(getattr(self.algorithm, "group_size", 1))
         stack = self._build("stack")
-        self.bundle_cfg = instantiate(recipe.bundle.config, _path="bundle.config") if "config" in recipe.bundle else None
+        self.bundle_cfg = instantiate(recipe.bundle.config) if "config" in recipe.bundle else None
         for name in ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg"):
             if recipe.backend.get(name) is not None:
-                instantiate(recipe.backend[name], _path=f"backend.{name}")
+                instantiate(recipe.backend[name])
         total = self.prompts_per_step * self.group_size
         workers = self.ray_cfg.num_workers
         if total % workers:
@@ -114,7 +115,9 @@ class DiffusionTrainer(BaseTrainer):
         metrics: dict[str, Any] = {}
         for step in range(start_step + 1, cfg.num_steps + 1):
             t_step = time.perf_counter()
-            requests = self.make_requests(step, self.data.next_batch(self.prompts_per_step))
+            rows = self.data.next_batch(self.prompts_per_step)
+            self.prompt_log.append((step, [row["prompt"] for row in rows]))
+            requests = self.make_requests(step, rows)
 
             t0 = time.perf_counter()
             samples = self.rollout(requests)
@@ -130,7 +133,7 @@ class DiffusionTrainer(BaseTrainer):
             metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
 
             self.tracker.log_metrics(metrics, step=step)
-            if cfg.log_samples_every and step % cfg.log_samples_every == 0:
+            if self.tracker.should_log_samples(step):
                 self.log_samples(step, samples)
             if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
                 self.save_checkpoint(step)

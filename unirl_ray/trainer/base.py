@@ -7,6 +7,7 @@ knows (``validate_domain``) and writes ``run_steps``: the stage order, top to bo
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 import logging
 import os
 import sys
@@ -56,7 +57,7 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-class BaseTrainer:
+class BaseTrainer(ABC):
     """Shared lifecycle; subclasses set ``domain``, ``worker_sections`` and implement the steps."""
 
     domain = "base"
@@ -98,21 +99,9 @@ class BaseTrainer:
     # -------------------------------------------------------------- lifecycle
     def fit(self) -> dict[str, Any]:
         """Run (or resume) the job to ``num_steps``; returns the last step's metrics."""
-        print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
-        where = ensure_ray(self.ray_cfg)
-        log.info("running on %s", where)
-        check_cluster_fits(self.ray_cfg, self.extra_resources())
         status = "FAILED"
         try:
-            self.start_services()
-            announced = self.start_workers()
-            state = announced.get("controller") or {}
-            start_step = int(announced.get("restored_step", 0))
-            self.start_tracking(state.get("mlflow_run_id"), resumed=start_step > 0)
-            self.restore(state)
-            if start_step:
-                print(f"resuming {self.run_cfg.run_name} after step {start_step}", flush=True)
-            last = self.run_steps(start_step)
+            last = self.run_steps(self.setup())
             status = "FINISHED"
             return last
         except KeyboardInterrupt:
@@ -120,6 +109,37 @@ class BaseTrainer:
             raise
         finally:
             self.teardown(status)
+
+    def setup(self) -> int:
+        """Join Ray, deploy services, start the workers, open tracking; returns the last done step."""
+        print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
+        log.info("running on %s", ensure_ray(self.ray_cfg))
+        check_cluster_fits(self.ray_cfg, self.extra_resources())
+        self.start_services()
+        announced = self.start_workers()
+        state = announced.get("controller") or {}
+        start_step = int(announced.get("restored_step", 0))
+        self.start_tracking(state.get("mlflow_run_id"), resumed=start_step > 0)
+        self.restore(state)
+        if start_step:
+            console(f"resuming {self.run_cfg.run_name} after step {start_step}")
+        return start_step
+
+    def run_steps(self, start_step: int) -> dict[str, Any]:
+        """Steps ``start_step + 1 .. num_steps``: the domain's ``run_step``, then log, save, report."""
+        cfg = self.run_cfg
+        metrics: dict[str, Any] = {}
+        for step in range(start_step + 1, cfg.num_steps + 1):
+            metrics = self.run_step(step)
+            self.tracker.log_metrics(metrics, step=step)
+            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
+                self.save_checkpoint(step)
+            console(progress_line(step, cfg.num_steps, metrics))
+        return metrics
+
+    @abstractmethod
+    def run_step(self, step: int) -> dict[str, Any]:
+        """One RL step in the domain's stage order; returns its metrics."""
 
     def start_services(self) -> None:
         """Deploy Serve apps (rewards, engines) before the workers start."""
@@ -162,9 +182,6 @@ class BaseTrainer:
         path = self.group.save(step, self.controller_state())
         self.tracker.log_metrics({"timing/checkpoint": time.perf_counter() - t0}, step=step)
         return path
-
-    def run_steps(self, start_step: int) -> dict[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__} must implement run_steps")
 
     def teardown(self, status: str) -> None:
         if self.group is not None:

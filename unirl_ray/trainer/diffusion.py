@@ -9,8 +9,10 @@ app; prompts come from a Ray Data dataset. Each step, in order:
     reward   -> the reward Serve app scores the decoded images
     advantage-> the algorithm's group-relative advantages (on the driver: groups span ranks)
     train    -> every rank trains on the samples it generated (prepare_segment, mini-batches, step)
-    log      -> MLflow metrics (+ images every ``log_samples_every`` steps)
-    save     -> Ray Train checkpoint every ``checkpoint_every`` steps (shards + controller state)
+    log      -> MLflow metrics (+ images every ``tracking.log_samples_every`` steps)
+    save     -> Ray Train checkpoint every ``trainer.checkpoint_every`` steps (shards + controller state)
+
+``run_step`` below is that order; logging, checkpoints and progress are ``BaseTrainer.run_steps``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from unirl_ray.config.recipe import RecipeError, instantiate
 from unirl_ray.core.sample import Sample
-from unirl_ray.trainer.base import BaseTrainer, RunConfig, console, derive_seed, progress_line
+from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -109,35 +111,28 @@ class DiffusionTrainer(BaseTrainer):
     def controller_state(self) -> dict[str, Any]:
         return {**super().controller_state(), "data": self.data.state_dict()}
 
-    # ------------------------------------------------------------- the loop
-    def run_steps(self, start_step: int) -> dict[str, Any]:
-        cfg = self.run_cfg
-        metrics: dict[str, Any] = {}
-        for step in range(start_step + 1, cfg.num_steps + 1):
-            t_step = time.perf_counter()
-            rows = self.data.next_batch(self.prompts_per_step)
-            self.prompt_log.append((step, [row["prompt"] for row in rows]))
-            requests = self.make_requests(step, rows)
+    # ------------------------------------------------------------- one step
+    def run_step(self, step: int) -> dict[str, Any]:
+        t_step = time.perf_counter()
+        rows = self.data.next_batch(self.prompts_per_step)
+        self.prompt_log.append((step, [row["prompt"] for row in rows]))
+        requests = self.make_requests(step, rows)
 
-            t0 = time.perf_counter()
-            samples = self.rollout(requests)
-            metrics = {"timing/rollout": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        samples = self.rollout(requests)
+        metrics = {"timing/rollout": time.perf_counter() - t0}
 
-            metrics |= self.reward.score(samples)
-            metrics |= self.algorithm.compute_advantages(samples)
+        metrics |= self.reward.score(samples)
+        metrics |= self.algorithm.compute_advantages(samples)
 
-            t0 = time.perf_counter()
-            metrics |= self.train(samples, seed=derive_seed(cfg.seed, "train", step))
-            metrics["timing/train"] = time.perf_counter() - t0
-            metrics["timing/step"] = time.perf_counter() - t_step
-            metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
+        t0 = time.perf_counter()
+        metrics |= self.train(samples, seed=derive_seed(self.run_cfg.seed, "train", step))
+        metrics["timing/train"] = time.perf_counter() - t0
 
-            self.tracker.log_metrics(metrics, step=step)
-            if self.tracker.should_log_samples(step):
-                self.log_samples(step, samples)
-            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
-                self.save_checkpoint(step)
-            console(progress_line(step, cfg.num_steps, metrics))
+        metrics["timing/step"] = time.perf_counter() - t_step
+        metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
+        if self.tracker.should_log_samples(step):
+            self.log_samples(step, samples)
         return metrics
 
     def make_requests(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

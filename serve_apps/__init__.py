@@ -1,0 +1,1 @@
+"""Serve app builders and deploy configs (``serve run serve_apps.<app>:app_builder`` / ``serve deploy <yaml>``)."""

@@ -1,0 +1,180 @@
+"""Rule rewards, reward config validation, scoring and weighting (no Ray)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from unirl_ray.rewards import (
+    RewardConfig,
+    RewardError,
+    RewardFnSpec,
+    brightness,
+    combine,
+    jpeg_compressibility,
+    jpeg_incompressibility,
+    make_target_color,
+    reward_metrics,
+    score_batch,
+    target_color,
+)
+
+
+def _flat(value: int, size: int = 32) -> np.ndarray:
+    return np.full((size, size, 3), value, dtype=np.uint8)
+
+
+def _noise(seed: int = 0, size: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def test_brightness_by_hand():
+    white, black, grey = _flat(255), _flat(0), _flat(51)
+    assert brightness(images=[white, black, grey], prompts=["a", "b", "c"]) == pytest.approx([1.0, 0.0, 0.2])
+
+
+def test_frames_are_averaged():
+    video = np.stack([_flat(0), _flat(255)])  # [F=2, H, W, 3]
+    assert brightness(images=[video], prompts=["v"]) == pytest.approx([0.5])
+    flat_video = np.stack([_flat(10), _flat(10)])
+    assert jpeg_compressibility(images=[flat_video], prompts=["v"]) == pytest.approx(
+        jpeg_compressibility(images=[_flat(10)], prompts=["i"])
+    )
+
+
+def test_jpeg_noise_is_less_compressible_than_flat():
+    flat, noisy = _flat(128), _noise()
+    comp = jpeg_compressibility(images=[flat, noisy], prompts=["", ""])
+    incomp = jpeg_incompressibility(images=[flat, noisy], prompts=["", ""])
+    assert comp[0] > comp[1]
+    assert all(c < 0 for c in comp)
+    assert incomp == pytest.approx([-c for c in comp])
+
+
+def test_target_color():
+    red, blue = np.zeros((8, 8, 3), np.uint8), np.zeros((8, 8, 3), np.uint8)
+    red[..., 0], blue[..., 2] = 255, 255
+    assert target_color(images=[red], prompts=[""]) == pytest.approx([1.0])
+    r_vs_b = target_color(images=[red, blue], prompts=["", ""], rgb=(0, 0, 255))
+    assert r_vs_b[1] == pytest.approx(1.0) and r_vs_b[0] < 0.7
+    assert make_target_color((0, 0, 255))(images=[blue], prompts=[""]) == pytest.approx([1.0])
+    white_to_black = target_color(images=[_flat(255)], prompts=[""], rgb=(0, 0, 0))
+    assert white_to_black == pytest.approx([0.0], abs=1e-6)
+    with pytest.raises(ValueError, match="three numbers"):
+        target_color(images=[red], prompts=[""], rgb=(300, 0, 0))
+
+
+def test_bad_image_shapes_and_dtypes():
+    with pytest.raises(ValueError, match="uint8"):
+        brightness(images=[np.zeros((4, 4, 3), np.float32)], prompts=[""])
+    with pytest.raises(ValueError, match=r"\[H, W, 3\]"):
+        brightness(images=[np.zeros((4, 4), np.uint8)], prompts=[""])
+
+
+def test_combine_weights_and_none():
+    per_source = {"a": [1.0, 2.0, None, 4.0], "b": [10.0, None, 1.0, 0.0], "log_only": [None, None, None, 1.0]}
+    weights = {"a": 1.0, "b": 0.5, "log_only": 0.0}
+    assert combine(per_source, weights) == [6.0, None, None, 4.0]
+    with pytest.raises(ValueError, match="no scores for weighted"):
+        combine({"a": [1.0]}, {"a": 1.0, "b": 2.0})
+
+
+def test_score_batch_nan_to_none_and_stacked_images():
+    def nan_odd(*, images, prompts, **columns):
+        return [float("nan") if i % 2 else 1.0 for i in range(len(prompts))]
+
+    def inf_and_numpy(*, images, prompts, **columns):
+        return np.array([np.inf, 2.0, -np.inf])
+
+    stacked = np.stack([_flat(0), _flat(255), _flat(51)])
+    out = score_batch({"nan": nan_odd, "inf": inf_and_numpy, "b": brightness}, stacked, ["x", "y", "z"], {})
+    assert out["nan"] == [1.0, None, 1.0]
+    assert out["inf"] == [None, 2.0, None]
+    assert out["b"] == pytest.approx([0.0, 1.0, 0.2])
+
+
+def test_columns_reach_reward_fns():
+    def uses_answer(*, images, prompts, answer, **columns):
+        return [float(p == a) for p, a in zip(prompts, answer)]
+
+    out = score_batch({"match": uses_answer}, [None, None], ["cat", "dog"], {"answer": ["cat", "cow"]})
+    assert out["match"] == [1.0, 0.0]
+
+
+def test_wrong_length_names_reward_and_lengths():
+    def short(*, images, prompts, **columns):
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"'short'.*1 scores for 3 samples") as info:
+        score_batch({"short": short}, [_flat(0)] * 3, ["a", "b", "c"], {})
+    assert info.value.reward == "short"
+
+
+def test_exception_and_non_numeric_name_the_reward():
+    def boom(*, images, prompts, **columns):
+        raise KeyError("missing thing")
+
+    def words(*, images, prompts, **columns):
+        return ["high"] * len(prompts)
+
+    with pytest.raises(RewardError, match=r"'boom'.*KeyError.*missing thing"):
+        score_batch({"boom": boom}, [None], ["a"], {})
+    with pytest.raises(RewardError, match=r"'words'.*non-numeric"):
+        score_batch({"words": words}, [None], ["a"], {})
+
+
+def test_config_bad_import_path_suggests_close_match():
+    with pytest.raises(ValueError, match=r"'bright'.*did you mean 'unirl_ray.rewards.image.brightness'"):
+        RewardConfig(rewards={"bright": {"fn": "unirl_ray.rewards.image.brightnes"}})
+    with pytest.raises(ValueError, match=r"did you mean 'unirl_ray.rewards.image'"):
+        RewardConfig(rewards={"b": {"fn": "unirl_ray.rewards.imag.brightness"}})
+    with pytest.raises(ValueError, match="no_such_pkg"):
+        RewardConfig(rewards={"b": {"fn": "no_such_pkg.fn"}})
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="at least one"):
+        RewardConfig(rewards={})
+    with pytest.raises(ValueError, match="finite"):
+        RewardConfig(rewards={"b": {"fn": "unirl_ray.rewards.image.brightness", "weight": float("inf")}})
+    with pytest.raises(ValueError, match="did you mean 'weight'"):
+        RewardConfig(rewards={"b": {"fn": "unirl_ray.rewards.image.brightness", "wieght": 1.0}})
+    with pytest.raises(ValueError, match="on_error"):
+        RewardConfig(rewards={"b": {"fn": "unirl_ray.rewards.image.brightness"}}, on_error="ignore")
+    with pytest.raises(ValueError, match="did you mean 'timeout_s'"):
+        RewardConfig.from_dict({"rewards": {"b": {"fn": "unirl_ray.rewards.image.brightness"}}, "timeout": 3})
+
+
+def test_config_specs_kwargs_and_round_trip():
+    cfg = RewardConfig.from_dict({
+        "rewards": {
+            "blue": {"fn": "unirl_ray.rewards.image:target_color", "weight": 2, "kwargs": {"rgb": [0, 0, 255]}},
+            "b": {"fn": brightness, "weight": 0.0},
+        },
+        "on_error": "skip",
+    })
+    assert cfg.weights == {"blue": 2.0, "b": 0.0}
+    assert cfg.ray_actor_options == {"num_cpus": 0.25}
+    blue = np.zeros((4, 4, 3), np.uint8)
+    blue[..., 2] = 255
+    fns = {s.name: s.bound() for s in cfg.specs}
+    assert score_batch(fns, [blue], ["x"], {})["blue"] == pytest.approx([1.0])
+    assert RewardConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    assert isinstance(cfg.specs[0], RewardFnSpec)
+
+
+def test_reward_metrics():
+    m = reward_metrics({"a": [1.0, 3.0, None]}, [1.0, 3.0, None])
+    assert m["reward/a/mean"] == 2.0 and m["reward/a/std"] == 1.0
+    assert m["reward/mean"] == 2.0 and m["reward/invalid_frac"] == pytest.approx(1 / 3)
+    assert math.isnan(reward_metrics({"a": [None]}, [None])["reward/mean"])
+
+
+def test_rewards_package_does_not_import_ray():
+    code = "import sys, unirl_ray.rewards; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

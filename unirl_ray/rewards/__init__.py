@@ -1,0 +1,50 @@
+"""Rewards: rule reward fns, reward config and weighting, and the Ray Serve reward service.
+
+The Serve parts (``RewardService``, ``RewardClient``, ``build_reward_app``) are imported lazily so
+that ``unirl_ray.rewards.image`` and ``unirl_ray.rewards.combine`` work without touching Ray.
+"""
+
+from unirl_ray.rewards.combine import (
+    RewardConfig,
+    RewardError,
+    RewardFnSpec,
+    combine,
+    import_callable,
+    reward_metrics,
+    score_batch,
+    score_one,
+)
+from unirl_ray.rewards.image import (
+    brightness,
+    jpeg_compressibility,
+    jpeg_incompressibility,
+    make_target_color,
+    target_color,
+)
+
+_SERVICE_NAMES = ("RewardService", "RewardClient", "build_reward_app", "start_serve", "samples_to_inputs")
+
+__all__ = [
+    "RewardConfig",
+    "RewardError",
+    "RewardFnSpec",
+    "combine",
+    "import_callable",
+    "reward_metrics",
+    "score_batch",
+    "score_one",
+    "brightness",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "make_target_color",
+    "target_color",
+    *_SERVICE_NAMES,
+]
+
+
+def __getattr__(name: str):
+    if name in _SERVICE_NAMES:
+        from unirl_ray.rewards import service
+
+        return getattr(service, name)
+    raise AttributeError(f"module 'unirl_ray.rewards' has no attribute {name!r}")

@@ -1,0 +1,377 @@
+"""The reward service: reward sources as one Ray Serve app, and the driver-side client.
+
+``RewardService`` is a Serve deployment that runs every configured reward fn on a batch. Each fn runs
+in a worker thread of the replica under its own deadline (``timeout_s``), so a slow or failing source
+is named and the other sources' scores still come back; the driver waits ``timeout_s`` plus a
+transport grace (``CLIENT_GRACE_S``) before it gives up on the whole request. ``RewardClient`` is what the trainer
+holds: it deploys the app (HTTP off unless asked), splits a batch across replicas, applies the retry
+and ``on_error`` policy documented in ``unirl_ray.rewards.combine``, writes ``Sample.rewards`` /
+``Sample.reward`` in place and returns the step's reward metrics.
+
+Usage on the driver::
+
+    client = RewardClient.deploy(RewardConfig.from_dict(cfg), app_name="reward")
+    metrics = client.score(samples)   # fills sample.rewards / sample.reward
+    client.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import ray
+from ray import serve
+
+from unirl_ray.rewards.combine import RewardConfig, RewardError, combine, reward_metrics, score_one
+
+if TYPE_CHECKING:  # replicas never import torch through the Sample module
+    from unirl_ray.core.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+CLIENT_GRACE_S = 2.0
+"""Extra seconds the driver waits beyond ``timeout_s`` (transport, queueing) so the replica names a slow source."""
+
+T = TypeVar("T")
+
+
+@serve.deployment(graceful_shutdown_timeout_s=5)
+class RewardService:
+    """Runs the configured reward sources on batches (one Serve replica)."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self._config = RewardConfig.from_dict(config)
+        self._fns = {spec.name: spec.bound() for spec in self._config.specs}
+        workers = min(64, max(4, self._config.max_ongoing_requests * len(self._fns)))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
+
+    def get_config(self) -> dict[str, Any]:
+        """The config this replica was built from (used by ``RewardClient.connect``)."""
+        return self._config.to_dict()
+
+    async def score(
+        self, images: Any, prompts: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None
+    ) -> dict[str, list[float | None]]:
+        """Per-source scores ``{name: [score or None]}``; raises ``RewardError`` naming a failed source."""
+        out = await self.score_detailed(images, prompts, columns)
+        if out["errors"]:
+            name, cause = next(iter(out["errors"].items()))
+            raise RewardError(name, cause)
+        return out["scores"]
+
+    async def score_detailed(
+        self,
+        images: Any,
+        prompts: Sequence[str],
+        columns: Mapping[str, Sequence[Any]] | None = None,
+        names: Sequence[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Run the sources ``names`` (default: all) concurrently; never raises for a source's failure.
+
+        Each source gets ``timeout_s`` seconds (default: the config's) in a worker thread; a source
+        that is still running then is reported as an error (its thread finishes in the background).
+
+        Returns ``{"scores": {name: list}, "errors": {name: cause}, "timing": {name: seconds}}``.
+        ``images`` is one uint8 array ``[B, ...]`` or a list of arrays (``None`` entries for text).
+        """
+        images = list(images) if isinstance(images, np.ndarray) else list(images)
+        prompts = list(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"got {len(images)} images for {len(prompts)} prompts")
+        unknown = [n for n in (names or []) if n not in self._fns]
+        if unknown:
+            raise ValueError(f"unknown reward source(s) {unknown}; this service has {list(self._fns)}")
+        selected = list(names) if names is not None else list(self._fns)
+        deadline = float(timeout_s) if timeout_s is not None else self._config.timeout_s
+        results = await asyncio.gather(*(self._run_one(n, images, prompts, columns, deadline) for n in selected))
+        out: dict[str, Any] = {"scores": {}, "errors": {}, "timing": {}}
+        for name, (scores, error, seconds) in zip(selected, results):
+            out["timing"][name] = seconds
+            if error is None:
+                out["scores"][name] = scores
+            else:
+                out["errors"][name] = error
+        return out
+
+    async def _run_one(
+        self, name: str, images: list, prompts: list, columns: Any, timeout_s: float
+    ) -> tuple[Any, str | None, float]:
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._pool, score_one, name, self._fns[name], images, prompts, columns)
+        try:
+            scores = await asyncio.wait_for(future, timeout=timeout_s)
+            return scores, None, time.perf_counter() - start
+        except asyncio.TimeoutError:
+            cause = f"did not finish within timeout_s={timeout_s:g} s"
+        except RewardError as exc:
+            cause = exc.cause
+        except Exception as exc:  # noqa: BLE001 - reported per source, the client applies the policy
+            cause = f"{type(exc).__name__}: {exc}"
+        return None, cause, time.perf_counter() - start
+
+    async def __call__(self, request: Any) -> dict[str, Any]:
+        """HTTP: POST JSON ``{"prompts": [...], "images": [base64 PNG/JPEG, ...], "columns": {...}}``."""
+        body = await request.json()
+        images = [_decode_image(b) for b in body.get("images", [])]
+        out = await self.score_detailed(images, body.get("prompts", []), body.get("columns"))
+        if not out["errors"]:
+            out["reward"] = combine(out["scores"], self._config.weights)
+        return out
+
+
+def _decode_image(data: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+
+
+def build_reward_app(config: RewardConfig | Mapping[str, Any]) -> serve.Application:
+    """The bound ``RewardService`` with replicas, resources and concurrency from the config."""
+    cfg = RewardConfig.from_dict(config)
+    return RewardService.options(
+        num_replicas=cfg.num_replicas,
+        ray_actor_options=dict(cfg.ray_actor_options),
+        max_ongoing_requests=cfg.max_ongoing_requests,
+    ).bind(cfg.to_dict())
+
+
+def start_serve(http_port: int | None = None) -> None:
+    """Start Serve with HTTP off (default), or with one proxy bound to 127.0.0.1:``http_port``.
+
+    If Serve already runs in this cluster its settings are kept (Serve logs a warning).
+    """
+    if http_port is None:
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": int(http_port)})
+
+
+def _call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run a blocking Serve control call in a thread; TimeoutError instead of a hang."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"unirl-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into up to ``parts`` contiguous, near-equal, non-empty slices."""
+    parts = max(1, min(parts, n))
+    bounds = np.linspace(0, n, parts + 1).round().astype(int)
+    return [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+def samples_to_inputs(samples: Sequence[Sample]) -> tuple[Any, list[str], dict[str, list[Any]]]:
+    """``(images, prompts, columns)`` for the reward contract.
+
+    Images of one shape are stacked into one uint8 array ``[B, ...]`` (one transfer); mixed shapes
+    stay a list; samples without images (text) give ``None`` entries. ``columns`` are the samples'
+    dataset columns, one list per key (``None`` where a sample lacks it), plus ``completions`` (the
+    generated text) when the samples have text parts.
+    """
+    prompts = [s.prompt for s in samples]
+    raw = [s.image for s in samples]
+    has_image = [img is not None for img in raw]
+    if any(has_image) and not all(has_image):
+        missing = [s.sample_id for s, ok in zip(samples, has_image) if not ok][:5]
+        raise ValueError(f"samples {missing} have no image while others do; the rollout must decode every image")
+    if all(has_image) and raw:
+        arrays = [np.asarray(img) for img in raw]
+        same = all(a.shape == arrays[0].shape and a.dtype == arrays[0].dtype for a in arrays)
+        images: Any = np.stack(arrays) if same else arrays
+    else:
+        images = [None] * len(samples)
+    keys = sorted({k for s in samples for k in s.columns})
+    columns = {k: [s.columns.get(k) for s in samples] for k in keys}
+    if "completions" not in columns and any(p.kind == "text" for s in samples for p in s.parts):
+        columns["completions"] = ["".join(getattr(p, "text", "") for p in s.parts if p.kind == "text") for s in samples]
+    return images, prompts, columns
+
+
+class RewardClient:
+    """Driver-side handle to a deployed ``RewardService`` app, applying the failure policy."""
+
+    def __init__(self, handle: Any, config: RewardConfig, app_name: str):
+        self._handle = handle
+        self.config = config
+        """The reward config (weights, timeout, retry policy)."""
+        self.app_name = app_name
+        """Serve application name."""
+        self.last_timing: dict[str, float] = {}
+        """Seconds each source took in its replica during the last call (max over replicas)."""
+
+    @classmethod
+    def deploy(
+        cls,
+        config: RewardConfig | Mapping[str, Any],
+        app_name: str = "reward",
+        *,
+        http_port: int | None = None,
+        ready_timeout_s: float = 120.0,
+    ) -> "RewardClient":
+        """Start Serve (HTTP off unless ``http_port``) and run the reward app; wait until it is ready.
+
+        Raises TimeoutError when the replicas do not start within ``ready_timeout_s`` (usually: not
+        enough free CPUs for ``num_replicas`` x ``ray_actor_options``); the half-deployed app is deleted.
+        """
+        cfg = RewardConfig.from_dict(config)
+        start_serve(http_port)
+        app = build_reward_app(cfg)
+        route = f"/{app_name}" if http_port is not None else None
+        try:
+            handle = _call_with_timeout(
+                lambda: serve.run(app, name=app_name, route_prefix=route), ready_timeout_s, f"deploy-{app_name}"
+            )
+        except TimeoutError:
+            _delete_quietly(app_name)
+            raise TimeoutError(
+                f"reward app {app_name!r} was not ready within {ready_timeout_s} s: it needs {cfg.num_replicas} "
+                f"replica(s) x {cfg.ray_actor_options}; check free resources with `ray status` (lower "
+                "ray_actor_options.num_cpus or the Train workers' CPUs) or raise ready_timeout_s"
+            ) from None
+        except Exception as exc:
+            raise RuntimeError(f"deploying reward app {app_name!r} failed: {exc}") from exc
+        handle.get_config.remote().result(timeout_s=ready_timeout_s)  # warm the handle's routing
+        return cls(handle, cfg, app_name)
+
+    @classmethod
+    def connect(cls, app_name: str = "reward", *, timeout_s: float = 30.0) -> "RewardClient":
+        """Attach to a reward app deployed elsewhere (e.g. ``serve deploy serve_apps/reward_config.yaml``)."""
+        handle = serve.get_app_handle(app_name)
+        cfg = handle.get_config.remote().result(timeout_s=timeout_s)
+        return cls(handle, RewardConfig.from_dict(cfg), app_name)
+
+    def score(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """Score samples in place (``sample.rewards``, ``sample.reward``); return this batch's metrics.
+
+        Metrics: ``reward/<name>/mean|std``, ``reward/mean|std``, ``reward/invalid_frac``,
+        ``reward/retries``, ``reward/skipped`` (sources given up under on_error="skip"), ``timing/reward``
+        (wall time on the driver) and ``timing/reward/<name>`` (time of each source in its replica).
+        Blocking: call it from plain (non-async) driver code.
+        """
+        start = time.perf_counter()
+        if not samples:
+            raise ValueError("RewardClient.score got no samples")
+        images, prompts, columns = samples_to_inputs(samples)
+        per_source, retries, skipped = self.score_inputs(images, prompts, columns)
+        totals = combine(per_source, self.config.weights)
+        for i, sample in enumerate(samples):
+            sample.rewards = {name: values[i] for name, values in per_source.items()}
+            sample.reward = totals[i]
+        metrics = reward_metrics(per_source, totals)
+        metrics.update({"reward/retries": float(retries), "reward/skipped": float(skipped)})
+        metrics.update({f"timing/reward/{name}": sec for name, sec in self.last_timing.items()})
+        metrics["timing/reward"] = time.perf_counter() - start
+        return metrics
+
+    def score_inputs(
+        self, images: Any, prompts: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None
+    ) -> tuple[dict[str, list[float | None]], int, int]:
+        """Per-source scores for raw inputs with retries and ``on_error``; also (retries, skipped) counts."""
+        n = len(prompts)
+        names = [spec.name for spec in self.config.specs]
+        scores: dict[str, list[float | None]] = {name: [None] * n for name in names}
+        chunks = _split(n, self.config.num_replicas)
+        payloads = [self._payload(images, prompts, columns, lo, hi) for lo, hi in chunks]
+        pending = {ci: list(names) for ci in range(len(chunks))}
+        causes: dict[tuple[int, str], str] = {}
+        retries = 0
+        self.last_timing = {}
+        for attempt in range(self.config.max_retries + 1):
+            if not any(pending.values()):
+                break
+            if attempt:
+                retries += sum(len(v) for v in pending.values())
+                logger.warning("retrying reward source(s) %s (attempt %d)", _failed_names(pending), attempt + 1)
+            self._attempt(payloads, chunks, pending, scores, causes)
+        skipped = self._apply_on_error(pending, causes, chunks)
+        return scores, retries, skipped
+
+    def _payload(self, images: Any, prompts: Sequence[str], columns: Any, lo: int, hi: int) -> tuple:
+        part = images[lo:hi]
+        ref = ray.put(part) if isinstance(part, np.ndarray) else part  # put once, reused by retries
+        cols = {k: list(v[lo:hi]) for k, v in (columns or {}).items()}
+        return ref, list(prompts[lo:hi]), cols
+
+    def _attempt(self, payloads: list, chunks: list, pending: dict, scores: dict, causes: dict) -> None:
+        """One round: send every chunk's pending sources, collect within one shared deadline."""
+        responses = {
+            ci: self._handle.score_detailed.remote(*payloads[ci], names=list(todo), timeout_s=self.config.timeout_s)
+            for ci, todo in pending.items() if todo
+        }
+        wait_s = self.config.timeout_s + CLIENT_GRACE_S
+        deadline = time.monotonic() + wait_s
+        for ci, response in responses.items():
+            lo, hi = chunks[ci]
+            try:
+                out = response.result(timeout_s=max(deadline - time.monotonic(), 0.01))
+            except TimeoutError:
+                response.cancel()
+                for name in pending[ci]:
+                    causes[(ci, name)] = f"request for {pending[ci]} got no answer within {wait_s:g} s (timeout_s + grace)"
+                continue
+            except Exception as exc:  # noqa: BLE001 - replica died, bad payload...: retried per policy
+                for name in pending[ci]:
+                    causes[(ci, name)] = f"request failed: {type(exc).__name__}: {exc}"
+                continue
+            for name, values in out["scores"].items():
+                scores[name][lo:hi] = values
+                pending[ci].remove(name)
+            for name, seconds in out["timing"].items():
+                self.last_timing[name] = max(self.last_timing.get(name, 0.0), float(seconds))
+            for name, cause in out["errors"].items():
+                causes[(ci, name)] = cause
+
+    def _apply_on_error(self, pending: dict, causes: dict, chunks: list) -> int:
+        failed = [(ci, name) for ci, todo in pending.items() for name in todo]
+        if not failed:
+            return 0
+        attempts = self.config.max_retries + 1
+        if self.config.on_error == "fail":
+            ci, name = failed[0]
+            raise RewardError(name, f"{causes.get((ci, name), 'unknown error')} (after {attempts} attempt(s))")
+        for ci, name in failed:
+            lo, hi = chunks[ci]
+            logger.warning(
+                "reward %r skipped for %d sample(s) after %d attempt(s) (on_error='skip'): %s",
+                name, hi - lo, attempts, causes.get((ci, name), "unknown error"),
+            )
+        return len({name for _, name in failed})
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Delete the reward app (Serve itself keeps running for other apps)."""
+        _call_with_timeout(lambda: serve.delete(self.app_name), timeout_s, f"delete-{self.app_name}")
+
+
+def _failed_names(pending: Mapping[int, Sequence[str]]) -> list[str]:
+    return sorted({name for todo in pending.values() for name in todo})
+
+
+def _delete_quietly(app_name: str) -> None:
+    try:
+        serve.delete(app_name, _blocking=False)
+    except Exception as exc:  # noqa: BLE001 - best effort cleanup after a failed deploy
+        logger.warning("could not delete reward app %r: %s", app_name, exc)

@@ -74,11 +74,13 @@ def ensure_ray(cfg: RayConfig) -> str:
     if ray.is_initialized():
         return "existing Ray session"
     address = cfg.address or os.environ.get("RAY_ADDRESS")
-    env = {"env_vars": runtime_env_vars()}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        # Keep the job's own runtime_env (e.g. `ray job submit --working-dir .`) untouched; the
+        # train workers get their env vars through RunConfig.worker_runtime_env.
+        ray.init(address=address, log_to_driver=True)
         return f"Ray cluster at {address}"
     num_cpus = cfg.local_num_cpus or max(8, os.cpu_count() or 1)
+    env = {"env_vars": runtime_env_vars()}
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     return f"embedded local Ray ({num_cpus} logical CPUs)"
 

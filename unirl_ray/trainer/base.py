@@ -119,6 +119,9 @@ class BaseTrainer(ABC):
         announced = self.start_workers()
         state = announced.get("controller") or {}
         start_step = int(announced.get("restored_step", 0))
+        if start_step and state.get("seed", self.run_cfg.seed) != self.run_cfg.seed:
+            log.warning("resuming with trainer.seed=%s, but the run was started with seed %s: the "
+                        "remaining steps will not match an uninterrupted run", self.run_cfg.seed, state["seed"])
         self.start_tracking(state.get("mlflow_run_id"), resumed=start_step > 0)
         self.restore(state)
         if start_step:
@@ -175,7 +178,7 @@ class BaseTrainer(ABC):
         """Restore the controller's own state (data cursor, ...) from a checkpoint."""
 
     def controller_state(self) -> dict[str, Any]:
-        return {"mlflow_run_id": self.tracker.run_id}
+        return {"mlflow_run_id": self.tracker.run_id, "seed": self.run_cfg.seed}
 
     def save_checkpoint(self, step: int) -> str:
         t0 = time.perf_counter()

@@ -130,7 +130,7 @@ class DiffusionTrainer(BaseTrainer):
         metrics["timing/train"] = time.perf_counter() - t0
 
         metrics["timing/step"] = time.perf_counter() - t_step
-        metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
+        metrics["perf/samples_per_s"] = metrics["perf/images_per_s"] = len(samples) / metrics["timing/step"]
         if self.tracker.should_log_samples(step):
             self.log_samples(step, samples)
         return metrics

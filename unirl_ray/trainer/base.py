@@ -51,6 +51,16 @@ class RunConfig:
             self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
 
 
+def _event_loop_running() -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def derive_seed(*parts: Any) -> int:
     """A stable 31-bit seed from any tuple of values (same on every machine and Python run)."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
@@ -98,7 +108,19 @@ class BaseTrainer(ABC):
 
     # -------------------------------------------------------------- lifecycle
     def fit(self) -> dict[str, Any]:
-        """Run (or resume) the job to ``num_steps``; returns the last step's metrics."""
+        """Run (or resume) the job to ``num_steps``; returns the last step's metrics.
+
+        Inside a running asyncio loop (a Jupyter cell) the run happens in a worker thread, because
+        Ray Serve's blocking handle calls refuse to run on an event-loop thread.
+        """
+        if _event_loop_running():
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fit-{self.domain}") as pool:
+                return pool.submit(self._fit).result()
+        return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         status = "FAILED"
         try:
             last = self.run_steps(self.setup())

@@ -1,0 +1,479 @@
+"""Overhead of the unirl_ray trainer vs. a bare PyTorch loop: SD3 Flow-GRPO, tiny model, CPU.
+
+A benchmark, not a test: it asserts nothing about speed. It prints the steady-state time per RL
+step of
+
+  (A) the real ``DiffusionTrainer`` on ``recipes/diffusion/sd3/sd3_tiny_flowgrpo.yaml``: Ray Train
+      workers (FSDP2 over gloo), the reward Serve app, Ray Data prompts, MLflow (a fresh SQLite
+      store in a temporary storage path);
+  (B) a bare single-process loop doing the same Flow-GRPO math on the same tiny SD3 (same config,
+      same seeds, same prompts, same number of samples per step): ``SD3Pipeline.sample`` /
+      ``collate`` / ``step_log_prob``, the brightness reward inline with numpy, group advantages
+      inline, the clipped Flow-GRPO surrogate over every timestep, ``torch.optim.AdamW``. No
+      FSDPBackend, TrainStack, Ray or MLflow;
+
+after warm-up, in alternating blocks A, B, A, B, ..., as medians over steps, their ratio, and
+A's per-stage breakdown (``timing/rollout``, ``timing/reward``, ``timing/train``, read back from
+the trainer's MLflow run).
+
+    python bench/sd3_flowgrpo_overhead.py                       # 2 workers, ~3-5 min on 2 busy cores
+    python bench/sd3_flowgrpo_overhead.py --workers 1 --json-out /tmp/overhead.json
+
+See bench/README.md for what is measured and how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RECIPE = REPO / "recipes" / "diffusion" / "sd3" / "sd3_tiny_flowgrpo.yaml"
+STAGES = ("rollout", "reward", "train")
+A_KEYS = ("timing/step", "timing/rollout", "timing/reward", "timing/train", "timing/train_step",
+          "reward/mean", "rollout/logp_gap")
+
+
+# ---------------------------------------------------------------------------------------------
+# (A) the trainer, driven block by block
+
+
+class TrainerDriver:
+    """A real ``DiffusionTrainer`` run step by step: ``setup()``, ``run_step(i)`` per step (logged to
+    MLflow and checkpointed as ``run_steps`` does), ``teardown()``."""
+
+    def __init__(self, recipe, total_steps: int) -> None:
+        from unirl_ray.trainer.diffusion import DiffusionTrainer
+
+        self.trainer = DiffusionTrainer(recipe)
+        self.total_steps = total_steps
+        self.done = 0
+        self.status = "FAILED"
+        self.metrics: dict[str, dict[int, float]] = {k: {} for k in A_KEYS}
+
+    def setup(self) -> float:
+        t0 = time.perf_counter()
+        if self.trainer.setup():
+            raise RuntimeError("the benchmark needs a fresh run, but it resumed an earlier one")
+        return time.perf_counter() - t0
+
+    def run_block(self, n: int) -> float:
+        """Run the next ``n`` steps; returns the block's wall time (logging, images, checkpoints included)."""
+        tr = self.trainer
+        t0 = time.perf_counter()
+        for i in range(self.done + 1, self.done + n + 1):
+            metrics = tr.run_step(i)
+            tr.tracker.log_metrics(metrics, step=i)
+            if i % tr.run_cfg.checkpoint_every == 0 or i == self.total_steps:
+                tr.save_checkpoint(i)
+            for key in A_KEYS:
+                if key in metrics:
+                    self.metrics[key][i] = float(metrics[key])
+        self.done += n
+        return time.perf_counter() - t0
+
+    def metric_history(self) -> dict[str, dict[int, float]]:
+        """``{key: {step: value}}`` of the trainer's per-step metrics."""
+        return self.metrics
+
+    def prompts_of(self, step: int) -> list[str] | None:
+        for s, prompts in self.trainer.prompt_log:
+            if s == step:
+                return prompts
+        return None
+
+    def teardown(self) -> None:
+        self.trainer.teardown(self.status)
+
+
+# ---------------------------------------------------------------------------------------------
+# (B) the bare loop
+
+
+class BareLoop:
+    """Same model, seeds, prompts, samples per step and Flow-GRPO math; one process, plain torch."""
+
+    def __init__(self, recipe, *, workers: int, prompt_fallback: list[str]) -> None:
+        from unirl_ray.config.recipe import instantiate
+        from unirl_ray.trainer.base import derive_seed
+
+        self.derive_seed = derive_seed
+        self.seed = int(recipe.trainer.seed)
+        self.prompts_per_step = int(recipe.trainer.prompts_per_step)
+        algo = recipe.algorithm
+        self.group_size = int(algo.group_size)
+        self.clip_range = float(algo.clip_range)
+        self.adv_clip_max = float(algo.adv_clip_max)
+        self.normalize_std = bool(algo.normalize_std)
+        if float(algo.get("kl_beta", 0.0)) != 0.0 or float(algo.get("timestep_fraction", 1.0)) != 1.0:
+            raise SystemExit("the bare loop implements kl_beta=0 and timestep_fraction=1 (every timestep) only")
+        if recipe.backend.get("lora_cfg") is not None:
+            raise SystemExit("the bare loop implements full fine-tuning only (backend.lora_cfg: null)")
+        n = self.prompts_per_step * self.group_size
+        self.num_samples = n
+        self.rollout_micro = int(recipe.rollout.micro_batch_size)
+        self.micro = int(recipe.stack.micro_batch_size)
+        # The trainer's mini-batch is per rank; the bare loop's optimizer step covers the same
+        # global batch, so both take the same number of optimizer steps per RL step.
+        mini = recipe.stack.get("mini_batch_size")
+        self.mini = n if mini is None else min(n, int(mini) * workers)
+        self.max_grad_norm = recipe.stack.get("max_grad_norm")
+        self.prompt_fallback = prompt_fallback
+
+        torch.manual_seed(self.seed)  # as the train workers do before building
+        self.bundle = instantiate(recipe.bundle)
+        self.pipeline = instantiate(recipe.pipeline, bundle=self.bundle)
+        self.model = self.bundle.transformer
+        self.model.requires_grad_(True)
+        opt = recipe.backend.optimizer_cfg
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=float(opt.learning_rate),
+            weight_decay=float(opt.get("weight_decay", 0.0)),
+            betas=tuple(float(b) for b in opt.get("betas", (0.9, 0.999))),
+            eps=float(opt.get("eps", 1e-8)),
+        )
+        self.step_index = 0
+
+    def step(self, prompts: list[str] | None) -> dict[str, float]:
+        self.step_index += 1
+        step = self.step_index
+        t_step = time.perf_counter()
+        P, G, n = self.prompts_per_step, self.group_size, self.num_samples
+        if prompts is None:  # the trainer's prompts of this step are used whenever they exist
+            prompts = [self.prompt_fallback[(step * P + p) % len(self.prompt_fallback)] for p in range(P)]
+        all_prompts = [prompts[i // G] for i in range(n)]
+        seeds = [self.derive_seed(self.seed, "sample", step, i) for i in range(n)]
+
+        t0 = time.perf_counter()
+        parts, images = [], []
+        for lo in range(0, n, self.rollout_micro):
+            for part, image in self.pipeline.sample(all_prompts[lo:lo + self.rollout_micro], seeds[lo:lo + self.rollout_micro]):
+                parts.append(part)
+                images.append(image)
+        t_rollout = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        rewards = np.stack(images).reshape(n, -1).mean(axis=1, dtype=np.float64) / 255.0  # brightness
+        grouped = rewards.reshape(P, G)
+        centered = grouped - grouped.mean(axis=1, keepdims=True)
+        if self.normalize_std:
+            centered = centered / (grouped.std(axis=1, keepdims=True) + 1e-4)
+        adv = torch.from_numpy(np.clip(centered.reshape(n), -self.adv_clip_max, self.adv_clip_max)).float()
+        t_reward = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.derive_seed(self.seed, "train", step)))
+        gap = torch.zeros(())
+        clipped_pairs = torch.zeros(())
+        first = True
+        for lo in range(0, n, self.mini):
+            mini = order[lo:lo + self.mini].tolist()
+            n_micro = -(-len(mini) // self.micro)
+            for mlo in range(0, len(mini), self.micro):
+                idx = mini[mlo:mlo + self.micro]
+                batch = self.pipeline.collate([parts[i] for i in idx])
+                old, a = batch["log_probs"], adv[idx]
+                steps = old.shape[1]
+                for j in range(steps):
+                    logp, _, _ = self.pipeline.step_log_prob(self.model, batch, torch.full((len(idx),), j, dtype=torch.long))
+                    ratio = torch.exp(logp - old[:, j])
+                    surrogate = torch.maximum(-a * ratio, -a * ratio.clamp(1 - self.clip_range, 1 + self.clip_range))
+                    (surrogate.mean() / (n_micro * steps)).backward()
+                    with torch.no_grad():
+                        clipped_pairs += ((ratio - 1).abs() > self.clip_range).sum()
+                        if first:
+                            gap = torch.maximum(gap, (logp - old[:, j]).abs().max())
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.max_grad_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            first = False
+        t_train = time.perf_counter() - t0
+        return {
+            "timing/step": time.perf_counter() - t_step,
+            "timing/rollout": t_rollout,
+            "timing/reward": t_reward,
+            "timing/train": t_train,
+            "reward/mean": float(rewards.mean()),
+            "rollout/logp_gap": float(gap),
+            "algo/clip_frac": float(clipped_pairs) / (n * len(parts[0].log_probs)),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(this process, its child processes: the embedded Ray cluster) user+system CPU seconds so far."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan"), float("nan")
+    me = psutil.Process()
+    own = me.cpu_times()
+    children = 0.0
+    for proc in me.children(recursive=True):
+        try:
+            t = proc.cpu_times()
+            children += t.user + t.system
+        except psutil.Error:
+            pass
+    return own.user + own.system, children
+
+
+def _thread_niceness() -> list[int]:
+    """Distinct nice values of this process's threads (Linux; [] elsewhere)."""
+    values = set()
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        try:
+            values.add(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):
+            pass
+    return sorted(values)
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _fmt(x: float, unit: str = "") -> str:
+    return f"{'n/a':>{7 + len(unit)}}" if not np.isfinite(x) else f"{x:7.3f}{unit}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="diffusion recipe (default: the tiny SD3 Flow-GRPO one)")
+    ap.add_argument("--workers", type=int, default=2, help="Ray Train workers of the trainer (1 or 2 on a 2-core machine)")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps of each side, excluded from the medians")
+    ap.add_argument("--blocks", type=int, default=6, help="measured blocks per side (A,B,A,B,...)")
+    ap.add_argument("--block-steps", type=int, default=4, help="RL steps per block")
+    ap.add_argument("--bare-threads", type=int, default=None,
+                    help="torch intra-op threads of the bare loop (default: torch's default for this machine)")
+    ap.add_argument("--bare-nice", type=int, default=None,
+                    help="renice the bench's main thread (and the torch threads it starts) before the bare loop is "
+                         "built, e.g. 15 = the niceness Ray gives its workers (default: leave it)")
+    ap.add_argument("--json-out", default=None, help="also write the JSON result line to this file")
+    ap.add_argument("--keep-storage", action="store_true", help="keep the temporary storage path (MLflow DB, checkpoints)")
+    ap.add_argument("overrides", nargs="*", help="extra recipe overrides key=value (applied to both sides)")
+    args = ap.parse_args(argv)
+    if args.workers < 1 or args.warmup < 1 or args.blocks < 1 or args.block_steps < 1:
+        ap.error("--workers, --warmup, --blocks and --block-steps must be >= 1")
+    logging.basicConfig(level=os.environ.get("UNIRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+
+    from unirl_ray.config.recipe import load_recipe
+
+    t_all = time.perf_counter()
+    storage = tempfile.mkdtemp(prefix="unirl_bench_overhead_")
+    total = args.warmup + args.blocks * args.block_steps
+    overrides = [
+        "trainer.run_name=bench-overhead",
+        f"trainer.storage_path={storage}",
+        f"trainer.num_steps={total}",
+        f"ray.scaling.num_workers={args.workers}",
+        "tracking.experiment_name=bench-overhead",
+        *args.overrides,
+    ]
+    recipe = load_recipe(args.recipe, overrides)
+    if args.bare_threads:
+        torch.set_num_threads(args.bare_threads)
+    prompt_file = Path(recipe.data.path)
+    fallback_prompts = [line.strip() for line in prompt_file.read_text().splitlines() if line.strip()]
+
+    driver = TrainerDriver(recipe, total)
+    a_blocks: list[float] = []  # wall seconds per step of each measured A block
+    b_metrics: dict[int, dict[str, float]] = {}
+    b_blocks: list[float] = []
+    schedule: list[str] = []
+    a_cpu: list[tuple[float, float]] = []  # per measured block: (driver, Ray cluster) CPU-s per step
+    b_cpu: list[tuple[float, float]] = []
+    load_start = os.getloadavg()[0]
+    try:
+        print(f"[bench] setting up the trainer ({args.workers} workers) in {storage} ...", flush=True)
+        setup_s = driver.setup()
+        print(f"[bench] trainer ready in {setup_s:.1f}s; building the bare loop ...", flush=True)
+        if args.bare_nice is not None:  # Linux: per thread; threads started later inherit it
+            os.setpriority(os.PRIO_PROCESS, 0, args.bare_nice)
+        bare = BareLoop(recipe, workers=args.workers, prompt_fallback=fallback_prompts)
+
+        def run_a(n: int, measured: bool) -> None:
+            cpu0 = _cpu_seconds()
+            wall = driver.run_block(n)
+            cpu1 = _cpu_seconds()
+            schedule.append(f"A{n}")
+            if measured:
+                a_blocks.append(wall / n)
+                a_cpu.append(((cpu1[0] - cpu0[0]) / n, (cpu1[1] - cpu0[1]) / n))
+
+        def run_b(n: int, measured: bool) -> None:
+            cpu0 = _cpu_seconds()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                m = bare.step(driver.prompts_of(bare.step_index + 1))
+                b_metrics[bare.step_index] = m
+            wall = time.perf_counter() - t0
+            cpu1 = _cpu_seconds()
+            schedule.append(f"B{n}")
+            if measured:
+                b_blocks.append(wall / n)
+                b_cpu.append(((cpu1[0] - cpu0[0]) / n, (cpu1[1] - cpu0[1]) / n))
+
+        print(f"[bench] warm-up: {args.warmup} steps of A, then of B", flush=True)
+        run_a(args.warmup, False)
+        run_b(args.warmup, False)
+        for block in range(args.blocks):
+            print(f"[bench] block {block + 1}/{args.blocks}: A then B, {args.block_steps} steps each", flush=True)
+            run_a(args.block_steps, True)
+            run_b(args.block_steps, True)
+        driver.status = "FINISHED"
+        bare_nice = _thread_niceness()
+        history = driver.metric_history()
+    finally:
+        try:
+            driver.teardown()
+        finally:
+            import ray
+
+            if ray.is_initialized():
+                try:
+                    from ray import serve
+
+                    serve.shutdown()
+                except Exception:  # noqa: BLE001 - best effort, ray.shutdown ends everything
+                    pass
+                ray.shutdown()
+            if not args.keep_storage:
+                shutil.rmtree(storage, ignore_errors=True)
+
+    measured = list(range(args.warmup + 1, total + 1))
+    missing = [s for s in measured if s not in history["timing/step"]]
+    if missing:
+        raise SystemExit(f"the trainer's MLflow run lacks timing/step for steps {missing}")
+
+    def a_series(key: str) -> list[float]:
+        return [history[key][s] for s in measured if s in history[key]]
+
+    def b_series(key: str) -> list[float]:
+        return [b_metrics[s][key] for s in measured]
+
+    a = {k: _median(a_series(f"timing/{k}")) for k in ("step", *STAGES, "train_step")}
+    b = {k: _median(b_series(f"timing/{k}")) for k in ("step", *STAGES)}
+    a_other = _median([history["timing/step"][s] - sum(history[f"timing/{k}"].get(s, 0.0) for k in STAGES) for s in measured])
+    b_other = _median([b_metrics[s]["timing/step"] - sum(b_metrics[s][f"timing/{k}"] for k in STAGES) for s in measured])
+    ratio = a["step"] / b["step"]
+    wall_a, wall_b = _median(a_blocks), _median(b_blocks)
+    # drift check: the ratio of each adjacent (A block, B block) pair, and the fastest steps
+    pair_ratios = []
+    for k in range(args.blocks):
+        steps = measured[k * args.block_steps:(k + 1) * args.block_steps]
+        pair_ratios.append(_median([history["timing/step"][s] for s in steps]) / _median([b_metrics[s]["timing/step"] for s in steps]))
+    a_min, b_min = min(a_series("timing/step")), min(b_series("timing/step"))
+
+    cpu = {side: (_median([c[0] for c in blocks]), _median([c[1] for c in blocks])) for side, blocks in (("a", a_cpu), ("b", b_cpu))}
+    load_end = os.getloadavg()[0]
+    rows = [
+        ("rollout  (timing/rollout)", a["rollout"], b["rollout"]),
+        ("reward   (timing/reward)", a["reward"], b["reward"]),
+        ("train    (timing/train)", a["train"], b["train"]),
+        ("  of which worker compute (timing/train_step)", a["train_step"], float("nan"), False),
+        ("other    (step - the three)", a_other, b_other, False),
+        ("STEP     (timing/step)", a["step"], b["step"]),
+        ("wall/step incl. logging, images, ckpt (block medians)", wall_a, wall_b),
+        ("CPU-s/step, driver + Ray processes (block medians)", cpu["a"][0] + cpu["a"][1], cpu["b"][0] + cpu["b"][1]),
+        ("  of which Ray processes (for B: the idle trainer)", cpu["a"][1], cpu["b"][1], False),
+    ]
+    n_samples = bare.num_samples
+    print()
+    print(f"SD3 Flow-GRPO overhead: {n_samples} samples/step ({recipe.trainer.prompts_per_step} prompts x "
+          f"{recipe.algorithm.group_size}), {recipe.pipeline.num_inference_steps} SDE steps, "
+          f"{recipe.pipeline.height}x{recipe.pipeline.width}; A = DiffusionTrainer ({args.workers} Ray Train workers), "
+          f"B = bare loop (torch threads {torch.get_num_threads()}, thread niceness {bare_nice})")
+    print(f"warm-up {args.warmup} steps each, then {args.blocks} blocks x {args.block_steps} steps, "
+          f"order {' '.join(schedule)}; medians over {len(measured)} measured steps per side")
+    width = max(len(r[0]) for r in rows)
+    print(f"{'seconds per RL step (median)':<{width}}   A trainer    B bare      A/B")
+    for name, va, vb, *show in rows:
+        r = va / vb if (show or [True])[0] and np.isfinite(va) and np.isfinite(vb) and vb > 0 else float("nan")
+        print(f"{name:<{width}}  {_fmt(va, 's')}   {_fmt(vb, 's')}  {_fmt(r)}")
+    print(f"RATIO A/B (timing/step medians) = {ratio:.2f}x   (wall/step: {wall_a / wall_b:.2f}x)")
+    print(f"per block pair A/B: {' '.join(f'{r:.2f}' for r in pair_ratios)} (median {_median(pair_ratios):.2f}); "
+          f"fastest step: A {a_min:.3f}s, B {b_min:.3f}s, ratio {a_min / b_min:.2f}x")
+    a_r1, b_r1 = history["reward/mean"].get(1), b_metrics[1]["reward/mean"]
+    b_gap = max(m["rollout/logp_gap"] for m in b_metrics.values())
+    a_gap = max(history["rollout/logp_gap"].values()) if history["rollout/logp_gap"] else float("nan")
+    print(f"1-min load average: {load_start:.1f} at start, {load_end:.1f} at end ({os.cpu_count()} CPUs)")
+    print(f"checks: step-1 reward A {a_r1:.6f} vs B {b_r1:.6f} (same weights, prompts, seeds); "
+          f"max first-pass |logp - logp_old|: A {a_gap:.2e}, B {b_gap:.2e}; "
+          f"reward step 1 -> {total}: A {a_r1:.4f} -> {history['reward/mean'].get(total, float('nan')):.4f}, "
+          f"B {b_r1:.4f} -> {b_metrics[total]['reward/mean']:.4f}")
+
+    result = {
+        "bench": "sd3_flowgrpo_overhead",
+        "recipe": os.path.relpath(args.recipe, REPO) if str(args.recipe).startswith(str(REPO)) else args.recipe,
+        "overrides": args.overrides,
+        "workers": args.workers,
+        "samples_per_step": n_samples,
+        "warmup_steps": args.warmup,
+        "blocks": args.blocks,
+        "block_steps": args.block_steps,
+        "measured_steps_per_side": len(measured),
+        "ratio_step": ratio,
+        "ratio_wall": wall_a / wall_b,
+        "ratio_block_pairs": pair_ratios,
+        "ratio_min_step": a_min / b_min,
+        "a": {
+            "step_median_s": a["step"],
+            "step_min_s": a_min,
+            "stages_median_s": {k: a[k] for k in STAGES} | {"train_worker_compute": a["train_step"], "other": a_other},
+            "wall_per_step_median_s": wall_a,
+            "cpu_s_per_step_median": {"driver": cpu["a"][0], "ray_cluster": cpu["a"][1]},
+            "setup_s": setup_s,
+            "step_s": a_series("timing/step"),
+        },
+        "b": {
+            "step_median_s": b["step"],
+            "step_min_s": b_min,
+            "stages_median_s": {k: b[k] for k in STAGES} | {"other": b_other},
+            "wall_per_step_median_s": wall_b,
+            "cpu_s_per_step_median": {"driver": cpu["b"][0], "ray_cluster_idle": cpu["b"][1]},
+            "torch_threads": torch.get_num_threads(),
+            "thread_niceness": bare_nice,
+            "step_s": b_series("timing/step"),
+        },
+        "checks": {"a_step1_reward": a_r1, "b_step1_reward": b_r1, "a_max_logp_gap": a_gap, "b_max_logp_gap": b_gap},
+        "total_wall_s": time.perf_counter() - t_all,
+        "loadavg_1min": {"start": load_start, "end": load_end},
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+    }
+    line = json.dumps(result, sort_keys=True)
+    print(line, flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(line + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -66,10 +66,16 @@ def test_reward_rises_with_metrics_images_and_checkpoint(ray_local, tmp_path):
     assert any(p.name == ".metadata" for p in (ckpt / "shards").iterdir())
 
 
+# LoRA (peft, injected before the FSDP2 wrap) with a KL term to the adapter-free reference: the
+# checkpoint then holds adapter shards and AdamW state only.
+LORA = ("backend.lora_cfg={_target_: unirl_ray.train.configs.LoraConfig, rank: 4, alpha: 8}", "algorithm.kl_beta=0.01",
+        "backend.optimizer_cfg.learning_rate=3e-2", "trainer.checkpoint_every=2", "tracking.log_samples_every=0")
+
+
 def test_resume_continues_run_and_data(ray_local, tmp_path):
-    straight = run(tmp_path, "straight", "trainer.num_steps=4", "trainer.checkpoint_every=2", "tracking.log_samples_every=0")
-    first = run(tmp_path, "resumed", "trainer.num_steps=2", "trainer.checkpoint_every=2", "tracking.log_samples_every=0")
-    second = run(tmp_path, "resumed", "trainer.num_steps=4", "trainer.checkpoint_every=2", "tracking.log_samples_every=0")
+    straight = run(tmp_path, "straight", "trainer.num_steps=4", *LORA)
+    first = run(tmp_path, "resumed", "trainer.num_steps=2", *LORA)
+    second = run(tmp_path, "resumed", "trainer.num_steps=4", *LORA)
 
     assert second.tracker.run_id == first.tracker.run_id  # one MLflow run, continued
     assert [s for s, _ in second.prompt_log] == [3, 4]  # resumed after the saved step
@@ -77,6 +83,12 @@ def test_resume_continues_run_and_data(ray_local, tmp_path):
     client = MlflowClient(second.tracker.tracking_uri)
     steps = sorted(m.step for m in client.get_metric_history(second.tracker.run_id, "reward/mean"))
     assert steps == [1, 2, 3, 4]
+    # the resumed run restored adapters + optimizer exactly: its later steps match the straight run
+    for key in ("reward/mean", "train/loss", "algo/approx_kl"):
+        resumed = reward_history(second.tracker.tracking_uri, second.tracker.run_id, key)
+        expected = reward_history(straight.tracker.tracking_uri, straight.tracker.run_id, key)
+        assert resumed[2:] == pytest.approx(expected[2:], rel=1e-5, abs=1e-9), key
+    assert reward_history(straight.tracker.tracking_uri, straight.tracker.run_id, "train/kl")[-1] > 0
     runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id], "tags.mlflow.runName = 'resumed'")
     assert len(runs) == 1
     with open(tmp_path / "resumed" / "checkpoint_000004" / "controller_state.json") as f:

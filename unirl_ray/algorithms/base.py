@@ -30,6 +30,11 @@ class LossContext:
     """Multiply the loss by this before ``backward`` (micro-batch share of the optimizer step)."""
     first_pass: bool
     """True while no optimizer step has been taken on this segment yet (params equal pi_old)."""
+    global_units: float = 1.0
+    """``loss_units`` of this optimizer step's mini-batch summed over all ranks (e.g. valid tokens)."""
+    world_size: int = 1
+    """Data-parallel ranks; FSDP averages gradients over them, so a global sum-normalised loss
+    multiplies by ``world_size / global_units`` to be normalised by the global count."""
 
 
 class StageAlgorithm(ABC):
@@ -49,6 +54,14 @@ class StageAlgorithm(ABC):
     @abstractmethod
     def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
         """Set ``sample.advantage`` for every sample in place (driver side); return ``algo/`` metrics."""
+
+    def loss_units(self, samples: list[Sample]) -> float:
+        """What the loss is normalised by for these samples (default: one unit per sample).
+
+        Token-level losses return the number of valid tokens; the stack sums this over the
+        mini-batch and all ranks and passes it as ``LossContext.global_units``.
+        """
+        return float(len(samples))
 
     def prepare_segment(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
         """Freeze pi_old for one rollout shard; return per-segment state for the loss.

@@ -118,16 +118,29 @@ class TrainStack:
         n_micro = (len(batch) + micro - 1) // micro
         sums: dict[str, float] = {}
         reference = self.backend.reference if self.algorithm.needs_reference else None
+        global_units, world = self._global_units(batch)
         for start in range(0, len(batch), micro):
             ctx = LossContext(
                 policy=self.backend.module,
                 reference=reference,
                 loss_scale=1.0 / n_micro,
                 first_pass=first_pass,
+                global_units=global_units,
+                world_size=world,
             )
             part = self.algorithm.compute_loss_and_backward(batch[start : start + micro], segment, ctx)
             self._accumulate(sums, part)
         return sums
+
+    def _global_units(self, batch: list[Sample]) -> tuple[float, int]:
+        """Loss units of this mini-batch summed over ranks (one tiny all-reduce), and the world size."""
+        local = self.algorithm.loss_units(batch)
+        if not (dist.is_available() and dist.is_initialized()):
+            return local, 1
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        total = torch.tensor([local], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        return float(total.item()), dist.get_world_size()
 
     @staticmethod
     def _accumulate(into: dict[str, float], part: dict[str, float]) -> None:

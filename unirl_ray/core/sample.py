@@ -85,9 +85,14 @@ class TextPart(Part):
     """[C] 1 for tokens that are trained on, 0 for tokens that are not (e.g. tool output)."""
     text: str = ""
     """Decoded completion."""
+    num_tokens: int = 0
+    """Generated tokens (kept when the part is made light, for length metrics)."""
 
     def light(self) -> "TextPart":
-        return dataclasses.replace(self, prompt_ids=None, completion_ids=None, log_probs=None, loss_mask=None)
+        n = int(self.completion_ids.numel()) if self.completion_ids is not None else self.num_tokens
+        return dataclasses.replace(
+            self, prompt_ids=None, completion_ids=None, log_probs=None, loss_mask=None, num_tokens=n
+        )
 
     @property
     def is_light(self) -> bool:

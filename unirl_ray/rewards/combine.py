@@ -6,7 +6,12 @@ A reward source is a plain function with the TRL-style contract (see ``unirl_ray
 
 named in a recipe by import path (``"unirl_ray.rewards.image.brightness"`` or
 ``"pkg.module:fn"``) with a weight and optional keyword arguments. The total reward of a sample
-is ``sum(weight * score)`` over the sources with a non-zero weight.
+is ``sum(weight * score)`` over the sources with a non-zero weight. Text samples give ``images``
+as ``None`` entries and add a ``completions`` column (TRL's ``fn(*, prompts, completions, **columns)``).
+
+A source may also name a class (e.g. ``"unirl_ray.rewards.model.SequenceClassifierReward"``): its
+``kwargs`` then go to the constructor, called once per reward replica (load a model there), and the
+instance is called with the contract's arguments.
 
 Failure policy (applied by ``RewardClient``; ``score_batch`` and ``combine`` are its pure parts):
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 import math
 import pkgutil
 from collections.abc import Callable, Mapping, Sequence
@@ -100,12 +106,14 @@ class RewardFnSpec:
 
     name: str
     """Source name; metrics are ``reward/<name>/...`` and ``Sample.rewards[name]``."""
-    fn: str | RewardFn
-    """Import path (``"unirl_ray.rewards.image.brightness"``) or the callable itself."""
+    fn: str | RewardFn | type
+    """Import path (``"unirl_ray.rewards.image.brightness"``), the callable itself, or a class whose
+    instances are reward fns (constructed once per replica with ``kwargs``)."""
     weight: float = 1.0
     """Weight in the total reward; 0 logs the source without using it."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments passed to every call (they win over dataset columns of the same name)."""
+    """For a function: extra keyword arguments passed to every call (they win over dataset columns
+    of the same name). For a class: the constructor's keyword arguments."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not math.isfinite(self.weight):
@@ -114,7 +122,15 @@ class RewardFnSpec:
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"reward {self.name!r}: kwargs must be a mapping, got {type(self.kwargs).__name__}")
         self.kwargs = dict(self.kwargs)
-        self.resolve()  # import now, so a bad path fails at construction on the driver
+        target = self.resolve()  # import now, so a bad path fails at construction on the driver
+        if inspect.isclass(target):  # check the constructor's arguments without building the class
+            try:
+                inspect.signature(target).bind(**self.kwargs)
+            except TypeError as exc:
+                raise ValueError(f"reward {self.name!r}: kwargs {sorted(self.kwargs)} do not fit "
+                                 f"{target.__name__}{inspect.signature(target)}: {exc}") from None
+            except ValueError:  # no signature available (builtin): checked when constructed
+                pass
 
     def resolve(self) -> RewardFn:
         """The callable, imported if given as a path."""
@@ -128,8 +144,20 @@ class RewardFnSpec:
         return self.fn
 
     def bound(self) -> RewardFn:
-        """The callable with ``kwargs`` applied, ready for ``score_batch``."""
+        """The callable with ``kwargs`` applied, ready for ``score_batch``.
+
+        For a class this constructs one instance (``cls(**kwargs)``, e.g. loading a reward model):
+        call it once per process (the reward replica does, at start) and reuse the result.
+        """
         fn, kwargs = self.resolve(), dict(self.kwargs)
+        if inspect.isclass(fn):
+            try:
+                instance = fn(**kwargs)
+            except Exception as exc:
+                raise RewardError(self.name, f"constructing {fn.__name__} failed: {type(exc).__name__}: {exc}") from exc
+            if not callable(instance):
+                raise ValueError(f"reward {self.name!r}: {fn.__name__} instances are not callable; define __call__")
+            return instance
         if not kwargs:
             return fn
 

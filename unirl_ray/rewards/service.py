@@ -121,10 +121,14 @@ class RewardService:
         return None, cause, time.perf_counter() - start
 
     async def __call__(self, request: Any) -> dict[str, Any]:
-        """HTTP: POST JSON ``{"prompts": [...], "images": [base64 PNG/JPEG, ...], "columns": {...}}``."""
+        """HTTP: POST JSON ``{"prompts": [...], "images": [base64 PNG/JPEG, ...], "columns": {...}}``.
+
+        Text requests leave out ``images`` and send ``columns: {"completions": [...], ...}``.
+        """
         body = await request.json()
-        images = [_decode_image(b) for b in body.get("images", [])]
-        out = await self.score_detailed(images, body.get("prompts", []), body.get("columns"))
+        prompts = body.get("prompts", [])
+        images = [_decode_image(b) for b in body["images"]] if body.get("images") else [None] * len(prompts)
+        out = await self.score_detailed(images, prompts, body.get("columns"))
         if not out["errors"]:
             out["reward"] = combine(out["scores"], self._config.weights)
         return out

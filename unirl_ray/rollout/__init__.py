@@ -1,5 +1,7 @@
-"""Rollout: producing Samples (trainside today; dedicated engines on Ray Serve build on the same contract)."""
+"""Rollout: producing Samples on the train ranks (trainside) or on a dedicated Serve engine."""
 
+from unirl_ray.rollout.dedicated import DedicatedRollout
 from unirl_ray.rollout.trainside import TrainsideRollout
+from unirl_ray.rollout.weight_sync import TensorWeightSync
 
-__all__ = ["TrainsideRollout"]
+__all__ = ["DedicatedRollout", "TensorWeightSync", "TrainsideRollout"]

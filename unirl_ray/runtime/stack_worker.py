@@ -85,6 +85,15 @@ class StackWorker:
         cached.rewards, cached.reward, cached.advantage = sample.rewards, sample.reward, sample.advantage
         return cached
 
+    def export_weights(self) -> dict[str, Any]:
+        """Collective: the full trainable weights (LoRA adapters only with LoRA) on rank 0."""
+        from unirl_ray.rollout.weight_sync import state_checksum
+
+        state = self.backend.full_trainable_state_dict()
+        if self.topology.rank != 0:
+            return {}
+        return {"state": state, "checksum": state_checksum(state), "policy_version": self.policy_version}
+
     # ----------------------------------------------------------- checkpoint
     def save(self, directory: str) -> dict[str, Any]:
         t0 = time.perf_counter()

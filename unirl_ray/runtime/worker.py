@@ -90,6 +90,8 @@ def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeou
         return worker.train(payload["samples"], seed=int(payload["seed"]))
     if op == "save":
         return _save(worker, payload, rank, save_timeout_s)
+    if op == "export_weights":
+        return worker.export_weights()
     if op == "ping":
         return {"policy_version": worker.policy_version}
     raise ValueError(f"unknown worker command {op!r}")

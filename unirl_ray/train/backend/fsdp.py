@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unirl_ray.train.backend import dcp_io
+from unirl_ray.train.backend.lora import inject_lora
 from unirl_ray.train.configs import (
     FSDPConfig,
     LoraConfig,
@@ -111,25 +112,7 @@ class FSDPBackend:
             )
 
     def _inject_lora(self, module: nn.Module) -> None:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import inject_adapter_in_model
-
-        cfg = self.lora_cfg
-        peft_cfg = PeftLoraConfig(
-            r=cfg.rank,
-            lora_alpha=cfg.alpha,
-            lora_dropout=cfg.dropout,
-            target_modules=list(cfg.target_modules),
-            init_lora_weights=cfg.init_lora_weights,
-        )
-        inject_adapter_in_model(peft_cfg, module)
-        trainable = 0
-        for name, param in module.named_parameters():
-            is_lora = "lora_" in name
-            param.requires_grad_(is_lora)
-            trainable += param.numel() if is_lora else 0
-        if trainable == 0:
-            raise ValueError(f"LoraConfig.target_modules={cfg.target_modules} matched no module of the trainable model")
+        inject_lora(module, self.lora_cfg)
         module.to(self.device)
 
     def _shard(self, module: nn.Module) -> None:

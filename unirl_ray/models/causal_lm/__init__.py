@@ -1,0 +1,32 @@
+"""Causal-LM family: config, model + tokenizer bundle, sampling pipeline, tiny demo model.
+
+Names are imported lazily: ``from unirl_ray.models.causal_lm import CausalLMConfig`` does not import
+transformers (only ``CausalLMBundle``, ``CausalLMPipeline`` and ``build_char_tokenizer`` do, when used).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unirl_ray.models.causal_lm.bundle import CausalLMBundle
+    from unirl_ray.models.causal_lm.config import CausalLMConfig, TinyLMConfig
+    from unirl_ray.models.causal_lm.pipeline import CausalLMPipeline
+    from unirl_ray.models.causal_lm.tokenizer import build_char_tokenizer
+
+_EXPORTS = {
+    "CausalLMBundle": "bundle",
+    "CausalLMConfig": "config",
+    "CausalLMPipeline": "pipeline",
+    "TinyLMConfig": "config",
+    "build_char_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

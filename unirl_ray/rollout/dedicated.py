@@ -1,0 +1,144 @@
+"""The controller's handle on a dedicated rollout engine running as a Ray Serve app.
+
+``DedicatedRollout`` is the recipe's ``rollout:`` block for engine layouts; ``DedicatedEngine``
+deploys the engine app, publishes weights (``TensorWeightSync`` calls ``publish``) and splits a
+step's requests over the replicas. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from unirl_ray.core.sample import Sample
+from unirl_ray.rollout.weight_sync import StaleWeightsError, create_weight_store
+
+log = logging.getLogger(__name__)
+
+_ENGINES = {"hf": "unirl_ray.rollout.engines.hf.HFRolloutEngine"}
+
+
+@dataclass(kw_only=True)
+class DedicatedRollout:
+    """A dedicated engine as a Serve app (``engine: hf``), its replicas and their resources."""
+
+    engine: str = "hf"
+    """Engine kind: ``hf`` (the family's own pipeline; CPU and GPU)."""
+    num_replicas: int = 1
+    """Serve replicas of the engine; a step's requests are split over them."""
+    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0.5})
+    """Resources of each replica (Serve's option name)."""
+    max_ongoing_requests: int = 4
+    """Concurrent requests per replica."""
+    requests_per_call: int = 16
+    """Prompts per engine call (the unit of load balancing)."""
+    timeout_s: float = 600.0
+    """Longest wait for one engine call or for the app to become ready."""
+    max_retries: int = 2
+    """Retries of a failed engine call (e.g. a replica that died) before the step fails."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in _ENGINES:
+            raise ValueError(f"rollout.engine must be one of {sorted(_ENGINES)}, got {self.engine!r}")
+        if self.num_replicas < 1 or self.requests_per_call < 1:
+            raise ValueError("rollout.num_replicas and rollout.requests_per_call must be >= 1")
+
+    def resources(self) -> dict[str, float]:
+        opts = self.ray_actor_options or {}
+        need = {"CPU": float(opts.get("num_cpus", 1)) * self.num_replicas}
+        if opts.get("num_gpus"):
+            need["GPU"] = float(opts["num_gpus"]) * self.num_replicas
+        return need
+
+
+class DedicatedEngine:
+    """Driver-side: deploy, publish weights, generate, shut down."""
+
+    def __init__(self, cfg: DedicatedRollout, app_name: str, handle: Any, store: Any) -> None:
+        self.cfg, self.app_name, self.handle, self.store = cfg, app_name, handle, store
+        self.version = -1
+
+    @classmethod
+    def deploy(cls, cfg: DedicatedRollout, *, app_name: str, sections: dict[str, Any], seed: int) -> "DedicatedEngine":
+        from ray import serve
+
+        from unirl_ray.config.recipe import locate
+        from unirl_ray.rewards.service import _call_with_timeout as call_with_timeout
+        from unirl_ray.rewards.service import start_serve
+        from unirl_ray.runtime.train_group import NAMESPACE
+
+        start_serve(None)
+        store_name = f"{app_name}-weights"
+        store = create_weight_store(store_name, NAMESPACE)
+        body = locate(_ENGINES[cfg.engine])
+        deployment = serve.deployment(body, name="RolloutEngine").options(
+            num_replicas=cfg.num_replicas,
+            ray_actor_options=dict(cfg.ray_actor_options),
+            max_ongoing_requests=cfg.max_ongoing_requests,
+        )
+        t0 = time.perf_counter()
+        app = deployment.bind(sections, (store_name, NAMESPACE), seed)
+        try:
+            handle = call_with_timeout(
+                lambda: serve.run(app, name=app_name, route_prefix=None), cfg.timeout_s, f"deploy-{app_name}"
+            )
+        except TimeoutError:
+            serve.delete(app_name)
+            raise TimeoutError(
+                f"rollout engine {app_name!r} was not ready within {cfg.timeout_s:.0f}s: it needs {cfg.num_replicas} "
+                f"replica(s) x {cfg.ray_actor_options}; check free resources with `ray status`"
+            ) from None
+        log.info("rollout engine %r ready in %.1fs (%d replicas)", app_name, time.perf_counter() - t0, cfg.num_replicas)
+        return cls(cfg, app_name, handle, store)
+
+    def publish(self, version: int, ref: Any, checksum: str, *, timeout_s: float) -> None:
+        """Record ``version`` in the store, load it on every replica, verify every replica serves it."""
+        import ray
+
+        ray.get(self.store.publish.remote(version, [ref], checksum), timeout=60)
+        reports = self.handle.broadcast("load_weights", version, ref, checksum).results(timeout_s=timeout_s)
+        wrong = [r for r in reports if r["version"] != version or r["checksum"] != checksum]
+        if wrong:
+            raise StaleWeightsError(f"replicas did not load weights v{version}: {wrong}")
+        self.version = version
+
+    def generate(self, requests: list[dict[str, Any]]) -> list[Sample]:
+        """Split over replicas (``requests_per_call`` each), with bounded retries per call."""
+        if self.version < 0:
+            raise StaleWeightsError("no weights were published to the engine yet; push weights before rolling out")
+        chunks = [requests[i : i + self.cfg.requests_per_call] for i in range(0, len(requests), self.cfg.requests_per_call)]
+        pending = {i: self.handle.generate.remote(chunk, self.version) for i, chunk in enumerate(chunks)}
+        results: dict[int, list[Sample]] = {}
+        for i, response in pending.items():
+            results[i] = self._result_with_retries(response, chunks[i])
+        return [s for i in range(len(chunks)) for s in results[i]]
+
+    def _result_with_retries(self, response: Any, chunk: list[dict[str, Any]]) -> list[Sample]:
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                return response.result(timeout_s=self.cfg.timeout_s)
+            except Exception as exc:  # a dead replica, a timeout, a stale replica
+                if attempt == self.cfg.max_retries:
+                    raise RuntimeError(f"rollout engine call failed after {attempt + 1} attempts: {exc}") from exc
+                log.warning("rollout engine call failed (%s); retrying (%d/%d)", exc, attempt + 1, self.cfg.max_retries)
+                response = self.handle.generate.remote(chunk, self.version)
+        raise AssertionError("unreachable")
+
+    def status(self) -> list[dict[str, Any]]:
+        return self.handle.broadcast("status").results(timeout_s=60)
+
+    def shutdown(self) -> None:
+        from ray import serve
+
+        import ray
+
+        try:
+            serve.delete(self.app_name)
+        except Exception as exc:  # noqa: BLE001 - best effort at teardown
+            log.warning("deleting rollout app %s: %s", self.app_name, exc)
+        try:
+            ray.kill(self.store)
+        except Exception:  # noqa: BLE001
+            pass

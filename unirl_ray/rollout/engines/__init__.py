@@ -1,0 +1,1 @@
+"""Rollout engines that run as Ray Serve deployments."""

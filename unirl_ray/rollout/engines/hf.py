@@ -1,0 +1,108 @@
+"""A dedicated rollout engine on Ray Serve that generates with the family's own pipeline (HF
+``transformers`` / diffusers modules), so its log-probs are computed exactly as the trainer's.
+
+Each replica builds the bundle and pipeline from the same recipe sections as the train workers
+(plus the same LoRA structure), then only ever generates with weights it was given: it starts at
+version -1, loads versions through ``load_weights`` (verified by checksum) and, before generating,
+pulls the latest published version from the run's ``WeightStore`` if it is behind what the
+controller expects (a replica that started or restarted late catches up by itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from unirl_ray.config.recipe import instantiate
+from unirl_ray.core.sample import Sample
+from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
+
+log = logging.getLogger(__name__)
+
+
+class HFRolloutEngine:
+    """Serve deployment body (wrapped with ``serve.deployment`` by ``DedicatedEngine.deploy``)."""
+
+    def __init__(self, sections: dict[str, Any], store: tuple[str, str] | None = None, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.bundle = instantiate(sections["bundle"])
+        self.pipeline = instantiate(sections["pipeline"], bundle=self.bundle)
+        self.module = getattr(self.bundle, sections.get("trainable_attr", "model"))
+        self.module.requires_grad_(False)
+        if sections.get("lora_cfg"):
+            from unirl_ray.train.backend.lora import inject_lora
+
+            inject_lora(self.module, instantiate(sections["lora_cfg"]))
+            self.module.requires_grad_(False)
+        self.module.eval()
+        self.store = store
+        self.version = -1
+        self.checksum: str | None = None
+        self.lock = threading.Lock()
+        self.replica = os.getpid()
+
+    # --------------------------------------------------------------- weights
+    def load_weights(self, version: int, state: dict[str, torch.Tensor], checksum: str) -> dict[str, Any]:
+        """Load a published version (trainable weights only); refuse a corrupted transfer."""
+        got = state_checksum(state)
+        if got != checksum:
+            raise ValueError(f"weights v{version} arrived corrupted (checksum {got} != {checksum}); not loaded")
+        with self.lock:
+            names = dict(self.module.named_parameters())
+            unknown = [k for k in state if k not in names]
+            if unknown:
+                raise ValueError(f"weights v{version} name parameters this engine lacks: {unknown[:5]}")
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    names[name].copy_(tensor.to(names[name].device, names[name].dtype))
+            self.version, self.checksum = version, checksum
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        return {"version": self.version, "checksum": self.checksum, "replica": self.replica}
+
+    def _catch_up(self, expected_version: int) -> None:
+        if self.version >= expected_version or self.store is None:
+            return
+        import ray
+
+        store = ray.get_actor(self.store[0], namespace=self.store[1])
+        latest = ray.get(store.get_latest.remote(), timeout=60)
+        if latest is not None and latest["version"] >= expected_version:
+            state = ray.get(latest["ref"][0], timeout=300)
+            self.load_weights(latest["version"], state, latest["checksum"])
+
+    # ------------------------------------------------------------ generation
+    def _generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
+        self._catch_up(expected_version)
+        if self.version != expected_version:
+            raise StaleWeightsError(
+                f"replica {self.replica} serves weights v{self.version}, the controller expects v{expected_version}"
+            )
+        with self.lock, torch.no_grad():
+            outputs = self.pipeline.sample(
+                [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module
+            )
+        samples = []
+        for request, (part, media) in zip(requests, outputs):
+            samples.append(
+                Sample(
+                    sample_id=request["sample_id"],
+                    group_id=request["group_id"],
+                    prompt=request["prompt"],
+                    columns=dict(request.get("columns") or {}),
+                    parts=[part],
+                    image=media if not isinstance(media, str) else None,
+                    policy_version=self.version,
+                )
+            )
+        return samples
+
+    async def generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
+        """Generate on a worker thread so the replica's event loop stays responsive."""
+        return await asyncio.to_thread(self._generate, requests, expected_version)

@@ -1,0 +1,67 @@
+"""``ARTrainer``: RL for autoregressive language models (the GRPO family).
+
+Two rollout modes, as in the seed: **direct** (the train ranks generate with the module they
+train: no engine, no sync) and **dedicated** (a Ray Serve engine app receives versioned, verified
+weights after each train step). The step (prompts -> rollout -> reward -> advantages -> train ->
+sync -> log) is ``RLTrainer.run_step``; this class adds text metrics (response lengths, tokens/s)
+and sample tables in MLflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from unirl_ray.core.sample import Sample
+from unirl_ray.trainer.rl import RLRunConfig, RLTrainer
+
+
+@dataclass(kw_only=True)
+class ARRunConfig(RLRunConfig):
+    """The ``trainer:`` block of an AR recipe."""
+
+
+def _completion(sample: Sample) -> str:
+    return "".join(getattr(p, "text", "") for p in sample.parts if p.kind == "text")
+
+
+def _num_tokens(sample: Sample) -> int:
+    return sum(int(getattr(p, "num_tokens", 0)) for p in sample.parts if p.kind == "text")
+
+
+class ARTrainer(RLTrainer):
+    domain = "ar"
+
+    def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        lengths = np.array([_num_tokens(s) for s in samples], dtype=np.float64)
+        metrics = super().rollout_metrics(samples)
+        if lengths.size:
+            metrics |= {
+                "rollout/response_len_mean": float(lengths.mean()),
+                "rollout/response_len_max": float(lengths.max()),
+                "rollout/response_len_min": float(lengths.min()),
+                "rollout/tokens": float(lengths.sum()),
+            }
+        return metrics
+
+    def run_step(self, step: int) -> dict[str, Any]:
+        metrics = super().run_step(step)
+        if "rollout/tokens" in metrics:
+            metrics["perf/rollout_tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["timing/rollout"], 1e-9)
+        return metrics
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        shown = samples[:32]
+        self.tracker.log_table(
+            {
+                "step": [step] * len(shown),
+                "prompt": [s.prompt for s in shown],
+                "completion": [_completion(s) for s in shown],
+                "reward": [s.reward for s in shown],
+                "advantage": [s.advantage for s in shown],
+                "policy_version": [s.policy_version for s in shown],
+            },
+            f"samples/step_{step:06d}.json",
+        )

@@ -1,0 +1,227 @@
+"""``RLTrainer``: the single-stage RL step shared by the diffusion and AR trainers.
+
+Layouts, as the seed describes them:
+
+- **trainside / direct** (``rollout: TrainsideRollout``): the train ranks sample with the module
+  they train; no engine, no sync; each rank trains on the samples it generated.
+- **dedicated engine** (``rollout: DedicatedRollout``): a Ray Serve app generates; after every
+  ``sync.every`` train steps the controller pushes versioned, verified weights to it
+  (``TensorWeightSync``) and refuses to roll out with a stale engine.
+
+Each step, in order (``run_step``):
+
+    prompts   -> data.next_batch(prompts_per_step), each prompt repeated group_size times
+    rollout   -> trainside ranks or the engine app (log-probs recorded per step / token)
+    reward    -> the reward Serve app
+    advantage -> the algorithm's group-relative advantages (on the driver: groups span ranks)
+    train     -> every rank trains on its shard (prepare_segment, mini-batches, optimizer steps)
+    sync      -> dedicated engines only: publish the new version to every replica
+    log       -> MLflow metrics (+ samples every ``tracking.log_samples_every`` steps)
+
+Checkpoints and progress lines are ``BaseTrainer.run_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from unirl_ray.config.recipe import RecipeError, instantiate, locate
+from unirl_ray.core.sample import Sample
+from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
+from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class RLRunConfig(RunConfig):
+    """The ``trainer:`` block of a single-stage RL recipe."""
+
+    prompts_per_step: int = 4
+    """Distinct prompts per step; each is sampled ``algorithm.group_size`` times."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prompts_per_step < 1:
+            raise ValueError(f"trainer.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+
+
+class RLTrainer(BaseTrainer):
+    """Subclasses set ``domain`` and log their samples (``log_samples``)."""
+
+    worker_sections = ("bundle", "pipeline", "backend", "algorithm", "stack", "rollout")
+    driver_sections = ("trainer", "data", "reward", "tracking", "ray", "sync")
+
+    def optional_sections(self) -> set[str]:
+        return {"sync"}
+
+    # ------------------------------------------------------------ validation
+    def validate_domain(self) -> None:
+        recipe = self.recipe
+        self.prompts_per_step = self.run_cfg.prompts_per_step
+        self.prompt_log: list[tuple[int, list[str]]] = []  # (step, prompts) trained in this process
+        self.data = self._build("data")
+        self.reward_cfg = self._build("reward")
+        self.algorithm = self._build("algorithm")  # driver copy: advantages only (no pipeline)
+        self.group_size = int(getattr(self.algorithm, "group_size", 1))
+        stack = self._build("stack")
+        self.bundle_cfg = instantiate(recipe.bundle.config) if "config" in recipe.bundle else None
+        for name in ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg"):
+            if recipe.backend.get(name) is not None:
+                instantiate(recipe.backend[name])
+        self.dedicated = self._dedicated_rollout()
+        self.sync = self._build("sync") if recipe.get("sync") is not None else None
+        if self.dedicated is not None and self.sync is None:
+            from unirl_ray.rollout.weight_sync import TensorWeightSync
+
+            self.sync = TensorWeightSync()
+        total = self.prompts_per_step * self.group_size
+        workers = self.ray_cfg.num_workers
+        if total % workers:
+            raise RecipeError(
+                f"trainer.prompts_per_step x algorithm.group_size = {total} samples per step must divide evenly "
+                f"over ray.scaling.num_workers={workers} (every FSDP rank must do the same work)"
+            )
+        try:
+            stack.check_shard_size(total // workers)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
+        self.validate_model()
+
+    def _dedicated_rollout(self) -> DedicatedRollout | None:
+        target = self.recipe.rollout.get("_target_")
+        cls = locate(target, "rollout") if target else None
+        if isinstance(cls, type) and issubclass(cls, DedicatedRollout):
+            return self._build("rollout")
+        return None
+
+    def validate_model(self) -> None:
+        """Family checks on the driver (e.g. resolution vs. the latent factor)."""
+
+    def is_demo(self) -> bool:
+        return bool(getattr(self.bundle_cfg, "is_demo", False))
+
+    def extra_resources(self) -> dict[str, float]:
+        opts = self.reward_cfg.ray_actor_options or {}
+        need = {"CPU": float(opts.get("num_cpus", 1)) * self.reward_cfg.num_replicas}
+        if opts.get("num_gpus"):
+            need["GPU"] = float(opts["num_gpus"]) * self.reward_cfg.num_replicas
+        for key, value in (self.dedicated.resources() if self.dedicated else {}).items():
+            need[key] = need.get(key, 0.0) + value
+        return need
+
+    # -------------------------------------------------------------- services
+    def start_services(self) -> None:
+        from unirl_ray.rewards import RewardClient
+
+        self.reward = RewardClient.deploy(self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
+        self.engine = None
+        if self.dedicated is not None:
+            sections = {
+                "bundle": OmegaConf.to_container(self.recipe.bundle, resolve=True),
+                "pipeline": OmegaConf.to_container(self.recipe.pipeline, resolve=True),
+                "lora_cfg": OmegaConf.to_container(self.recipe.backend.lora_cfg, resolve=True)
+                if self.recipe.backend.get("lora_cfg") is not None else None,
+                "trainable_attr": self.recipe.backend.trainable_attr,
+            }
+            self.engine = DedicatedEngine.deploy(
+                self.dedicated, app_name=f"{self.run_cfg.run_name}-rollout", sections=sections, seed=self.run_cfg.seed
+            )
+
+    def start_workers(self) -> dict[str, Any]:
+        if self.dedicated is not None:  # the engine rolls out; the workers only train
+            self.worker_sections = tuple(s for s in self.worker_sections if s != "rollout")
+        announced = super().start_workers()
+        self.policy_version = int(announced.get("policy_version", 0))
+        if self.engine is not None:  # the engine starts from the trainer's (possibly restored) weights
+            self.sync.push(self.group, self.engine, self.policy_version)
+        return announced
+
+    def stop_services(self) -> None:
+        for service in (getattr(self, "engine", None), getattr(self, "reward", None)):
+            if service is not None:
+                service.shutdown()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state.get("data"):
+            self.data.load_state_dict(state["data"])
+
+    def controller_state(self) -> dict[str, Any]:
+        return {**super().controller_state(), "data": self.data.state_dict()}
+
+    # ------------------------------------------------------------- one step
+    def run_step(self, step: int) -> dict[str, Any]:
+        t_step = time.perf_counter()
+        rows = self.data.next_batch(self.prompts_per_step)
+        self.prompt_log.append((step, [row["prompt"] for row in rows]))
+        requests = self.make_requests(step, rows)
+
+        t0 = time.perf_counter()
+        samples = self.rollout(requests)
+        metrics = {"timing/rollout": time.perf_counter() - t0, **self.rollout_metrics(samples)}
+
+        metrics |= self.reward.score(samples)
+        metrics |= self.algorithm.compute_advantages(samples)
+
+        t0 = time.perf_counter()
+        metrics |= self.train(samples, seed=derive_seed(self.run_cfg.seed, "train", step))
+        metrics["timing/train"] = time.perf_counter() - t0
+
+        if self.engine is not None and self.sync.due(step):
+            metrics |= self.sync.push(self.group, self.engine, self.policy_version)
+            metrics["timing/weight_sync"] = metrics["weight_sync/seconds"]
+
+        metrics["timing/step"] = time.perf_counter() - t_step
+        metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
+        if self.tracker.should_log_samples(step):
+            self.log_samples(step, samples)
+        return metrics
+
+    def make_requests(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each prompt ``group_size`` times, with a per-sample seed fixed by (seed, step, index)."""
+        requests = []
+        for p, row in enumerate(rows):
+            columns = {k: v for k, v in row.items() if k != "prompt"}
+            for g in range(self.group_size):
+                index = p * self.group_size + g
+                requests.append({
+                    "sample_id": f"s{step}-{index}",
+                    "group_id": f"s{step}-p{p}",
+                    "prompt": row["prompt"],
+                    "columns": columns,
+                    "seed": derive_seed(self.run_cfg.seed, "sample", step, index),
+                })
+        return requests
+
+    def rollout(self, requests: list[dict[str, Any]]) -> list[Sample]:
+        if self.engine is not None:
+            return self.engine.generate(requests)
+        shards = _split(requests, self.group.world_size)
+        results = self.group.call("generate", [{"requests": shard} for shard in shards])
+        return [sample for shard in results for sample in shard]
+
+    def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """Family metrics of a rollout (lengths, ...); the policy-version lag of the samples."""
+        lag = [self.policy_version - s.policy_version for s in samples]
+        return {"rollout/version_lag_max": float(max(lag, default=0))}
+
+    def train(self, samples: list[Sample], *, seed: int) -> dict[str, float]:
+        """Send every rank its shard (without media); returns the reduced metrics."""
+        shards = _split([dataclasses.replace(s, image=None) for s in samples], self.group.world_size)
+        results = self.group.call("train", [{"samples": shard, "seed": seed} for shard in shards])
+        self.policy_version = int(results[0]["policy_version"])
+        return dict(results[0]["metrics"], **{"train/policy_version": self.policy_version})
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        """Log media or text of this step's samples."""
+
+
+def _split(items: list[Any], parts: int) -> list[list[Any]]:
+    size = len(items) // parts
+    return [items[i * size : (i + 1) * size] for i in range(parts)]

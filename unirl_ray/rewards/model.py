@@ -23,7 +23,8 @@ its own ``RewardConfig`` and ``app_name`` (one app per resource shape).
 The model is a Hugging Face ``AutoModelForSequenceClassification`` with ``num_labels=1`` (the usual
 reward-model head: the score is the logit at the last non-padding token for decoder models) and its
 tokenizer, from a local folder (no hub access at run time), or ``tiny=True``: a small random Llama
-with a character tokenizer, for tests and CPU demos. torch and transformers are imported only when an
+with the demo LM's character tokenizer (``unirl_ray.models.causal_lm.tokenizer``, whose chat template
+then formats the pair), for tests and CPU demos. torch and transformers are imported only when an
 instance is built, so naming the class in a config costs nothing on the driver.
 """
 
@@ -39,27 +40,6 @@ logger = logging.getLogger(__name__)
 
 TINY_MAX_LENGTH = 512
 """Positions of the tiny model (longer inputs are truncated from the left)."""
-
-
-def char_tokenizer() -> Any:
-    """A character-level ``PreTrainedTokenizerFast``: printable ASCII, ``<pad>`` (id 0), ``<unk>``, ``<bos>``, ``<eos>``.
-
-    Built in code (no files needed); saves and reloads with ``save_pretrained`` / ``AutoTokenizer``.
-    """
-    import string
-
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<unk>", "<bos>", "<eos>"]
-    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per char
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
-    )
 
 
 def tiny_reward_model(tokenizer: Any, *, seed: int = 0, hidden_size: int = 32, num_layers: int = 2) -> Any:
@@ -83,8 +63,8 @@ def tiny_reward_model(tokenizer: Any, *, seed: int = 0, hidden_size: int = 32, n
     with torch.random.fork_rng(devices=[]):  # do not disturb the caller's RNG
         torch.manual_seed(seed)
         model = AutoModelForSequenceClassification.from_config(config)
-        # The score head is zero-initialised in some versions: give it random weights so the
-        # tiny reward actually depends on the text.
+        # The default head init (std 0.02) gives nearly equal scores: widen it so the tiny
+        # reward visibly depends on the text.
         torch.nn.init.normal_(model.score.weight, std=1.0 / hidden_size**0.5)
     return model
 
@@ -155,7 +135,9 @@ class SequenceClassifierReward:
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"dtype must name a torch dtype like 'bfloat16', got {dtype!r}")
         if tiny:
-            tokenizer = _shared_char_tokenizer()
+            from unirl_ray.models.causal_lm.tokenizer import build_char_tokenizer
+
+            tokenizer = build_char_tokenizer()
             return tokenizer, tiny_reward_model(tokenizer, seed=seed).to(torch_dtype)
         path = os.path.abspath(os.path.expanduser(str(path)))
         if not os.path.isdir(path):
@@ -225,12 +207,3 @@ class SequenceClassifierReward:
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
-
-def _shared_char_tokenizer() -> Any:
-    """The LLM family's char tokenizer when that module provides one, else ``char_tokenizer()``."""
-    try:
-        from unirl_ray.models.causal_lm import tokenizer as lm_tokenizer
-    except ImportError:
-        return char_tokenizer()
-    build = getattr(lm_tokenizer, "char_tokenizer", None)
-    return build() if callable(build) else char_tokenizer()

@@ -3,5 +3,6 @@
 from unirl_ray.algorithms.advantages import group_advantages
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
 from unirl_ray.algorithms.flow_grpo import FlowGRPO
+from unirl_ray.algorithms.grpo import DAPO, GRPO, RLOO, DrGRPO
 
-__all__ = ["FlowGRPO", "LossContext", "StageAlgorithm", "group_advantages"]
+__all__ = ["DAPO", "GRPO", "RLOO", "DrGRPO", "FlowGRPO", "LossContext", "StageAlgorithm", "group_advantages"]

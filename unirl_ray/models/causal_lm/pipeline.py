@@ -24,7 +24,6 @@ Shapes: ``B`` batch, ``P`` longest prompt, ``N = max_new_tokens``, ``L`` longest
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -1,0 +1,459 @@
+"""GRPO and its named variants (Dr. GRPO, DAPO, RLOO) for token-level policies (causal LMs).
+
+One ``GRPO`` class implements the family; the variants are presets that only change defaults.
+Every sample (one completion) gets one scalar advantage from the rewards of its group (the
+completions drawn for the same prompt); every completion token shares it. Per token ``t``:
+
+    ratio_t = exp(logp_t - logp_old_t)
+    pg_t    = max(-A ratio_t, -A clip(ratio_t, 1 - clip_low, 1 + clip_high))
+    loss_t  = pg_t + kl_beta * KL_t(policy || reference) - entropy_coef * H_t
+
+and the per-token losses are aggregated over the completion tokens of the mini-batch as
+``loss_aggregation`` says. ``logp_old`` are the behaviour log-probs recorded while sampling (pi_old
+is frozen in ``prepare_segment``).
+
+How each departs from the textbook:
+
+- ``GRPO`` (DeepSeekMath, Shao et al. 2024): ``A = (r - mean_g) / (std_g + eps)``; token mean per
+  sequence, then mean over sequences (``seq_mean_token_mean``); symmetric clip 0.2. The paper adds
+  a KL penalty (beta 0.04, k3 estimator) to the loss; the default here is ``kl_beta=0`` as in
+  Dr. GRPO, DAPO and most recent recipes (set ``kl_beta`` / ``kl_estimator`` to restore it).
+- ``DrGRPO`` (Liu et al. 2025, "Understanding R1-Zero-like training"): removes both length and
+  difficulty biases: no std division (``A = r - mean_g``) and the per-sequence token *sum* divided
+  by a constant (``loss_norm_tokens``, default the pipeline's ``max_new_tokens``) instead of the
+  sequence length, so long wrong answers are not penalised less per token.
+- ``DAPO`` (Yu et al. 2025): asymmetric "clip-higher" (0.2 / 0.28) so low-probability tokens can
+  grow; token-level aggregation over the whole global mini-batch (``token_mean``: every token
+  weighs the same, however long its sequence); dynamic sampling: groups whose rewards are all equal
+  carry no signal, they get advantage 0 and ``algo/filtered_group_frac`` reports them. DAPO proper
+  drops them and samples more prompts until the batch is full; this class only marks them (a
+  trainer may drop them with ``GRPO.filter_uninformative``; otherwise their tokens still count in
+  the token-mean denominator and dilute the gradient). DAPO's overlong reward shaping is a reward,
+  not part of this loss.
+- ``RLOO`` (Ahmadian et al. 2024): leave-one-out baseline ``A_i = r_i - mean_{j != i} r_j =
+  G/(G-1) (r_i - mean_g)``, no std division; here it keeps the PPO clip (one update per batch
+  makes ratio 1 and the clip inactive, which is REINFORCE with the RLOO baseline).
+
+Loss scaling across micro-batches and ranks (FSDP averages gradients over ranks):
+``seq_mean_token_mean`` and ``seq_mean_token_sum_norm`` are means over sequences, scaled by
+``ctx.loss_scale`` (the micro-batch share); ``token_mean`` is the sum over this micro-batch's
+valid tokens times ``ctx.world_size / ctx.global_units``, where ``global_units`` is the number of
+valid completion tokens of the mini-batch over all ranks (``loss_units``): the gradient is then
+that of the mean over every token of the global mini-batch, however tokens are spread over ranks
+and micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import Counter, defaultdict
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from unirl_ray.algorithms.advantages import group_advantages
+from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.core.sample import Sample, TextPart
+
+logger = logging.getLogger(__name__)
+
+AdvantageEstimator = Literal["grpo", "rloo"]
+LossAggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+_ESTIMATORS = ("grpo", "rloo")
+_AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+_KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# advantage estimators (driver side, plain floats)
+
+
+def _is_valid(r: float | None) -> bool:
+    return r is not None and math.isfinite(r)
+
+
+def _group_members(group_ids: list[str]) -> dict[str, list[int]]:
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    return members
+
+
+def grpo_advantages(
+    rewards: list[float | None], group_ids: list[str], *, normalize_std: bool = True, eps: float = 1e-4
+) -> list[float]:
+    """GRPO outcome advantages: ``(r_i - mean_g) / (std_g + eps)``, or ``r_i - mean_g`` without std.
+
+    ``mean_g`` / ``std_g`` (population, ddof 0) are over the valid rewards of sample ``i``'s group.
+    Invalid rewards (``None`` / non-finite) get 0 and do not enter the statistics; a group with
+    fewer than 2 valid rewards, or all of them equal, gets 0 everywhere.
+    """
+    advantages, _ = group_advantages(rewards, group_ids, normalize_std=normalize_std, eps=eps)
+    return advantages
+
+
+def rloo_advantages(
+    rewards: list[float | None], group_ids: list[str], *, normalize_std: bool = False, eps: float = 1e-4
+) -> list[float]:
+    """REINFORCE leave-one-out advantages: ``r_i - mean_{j != i} r_j`` over the valid rewards of the group.
+
+    Equal to ``n/(n-1) (r_i - mean_g)`` for ``n`` valid rewards; with ``normalize_std`` it is further
+    divided by ``std_g + eps`` (population std). Invalid rewards get 0; groups with fewer than 2
+    valid rewards, or all equal, get 0 everywhere.
+    """
+    if len(rewards) != len(group_ids):
+        raise ValueError(f"got {len(rewards)} rewards but {len(group_ids)} group ids; pass one group id per reward")
+    adv = [0.0] * len(rewards)
+    for idx in _group_members(group_ids).values():
+        valid = [i for i in idx if _is_valid(rewards[i])]
+        values = [float(rewards[i]) for i in valid]  # type: ignore[arg-type]
+        n = len(values)
+        if n < 2 or max(values) == min(values):
+            continue
+        total = sum(values)
+        mean = total / n
+        scale = 1.0
+        if normalize_std:
+            scale = 1.0 / (math.sqrt(sum((v - mean) ** 2 for v in values) / n) + eps)
+        for i, v in zip(valid, values):
+            adv[i] = (v - (total - v) / (n - 1)) * scale
+    return adv
+
+
+def uninformative_groups(rewards: list[float | None], group_ids: list[str]) -> set[str]:
+    """Groups with no learning signal: fewer than 2 valid rewards, or all valid rewards equal."""
+    out = set()
+    for g, idx in _group_members(group_ids).items():
+        values = [float(rewards[i]) for i in idx if _is_valid(rewards[i])]  # type: ignore[arg-type]
+        if len(values) < 2 or max(values) == min(values):
+            out.add(g)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# token-level pieces (train side, tensors [B, T] with a float mask [B, T])
+
+
+def clipped_policy_loss(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token and the ratio: ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
+
+    ``log_ratio``: [B, T] ``logp - logp_old``; ``advantages``: [B] (broadcast over tokens).
+    """
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(-adv * ratio, -adv * clipped), ratio
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1 / k2 / k3).
+
+    With ``log_r = ref_logp - logp``: k1 = ``-log_r`` (unbiased, can be negative), k2 = ``log_r^2 / 2``
+    (biased, low variance), k3 = ``exp(log_r) - 1 - log_r`` (unbiased, >= 0; the GRPO paper's choice).
+    ``log_r`` is clamped to [-20, 20] in k3 so that one very unlikely reference token cannot overflow.
+    """
+    log_r = ref_logp - logp
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        log_r = log_r.clamp(-20.0, 20.0)
+        return torch.exp(log_r) - 1 - log_r
+    raise ValueError(f"kl_estimator must be one of {_KL_ESTIMATORS}, got {estimator!r}")
+
+
+def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] per-sequence mean over its masked tokens (0 for a sequence without any) -- GRPO."""
+    return (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+
+
+def seq_mean_token_sum_norm(values: torch.Tensor, mask: torch.Tensor, norm: float) -> torch.Tensor:
+    """[B] per-sequence sum over its masked tokens divided by the constant ``norm`` -- Dr. GRPO."""
+    return (values * mask).sum(-1) / norm
+
+
+def token_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over all masked tokens of the micro-batch -- DAPO (normalised by the global token count)."""
+    return (values * mask).sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def text_part(sample: Sample) -> TextPart:
+    """The (first) text segment of ``sample``; ``ValueError`` if it has none."""
+    for part in sample.parts:
+        if isinstance(part, TextPart):
+            return part
+    raise ValueError(f"sample {sample.sample_id!r} has no TextPart; GRPO trains token sequences")
+
+
+def _valid_tokens(part: TextPart) -> float:
+    if part.loss_mask is not None:
+        return float(part.loss_mask.float().sum())
+    return float(len(part.completion_ids)) if part.completion_ids is not None else 0.0
+
+
+class GRPO(StageAlgorithm):
+    """GRPO-family stage algorithm for token sequences (see the module docstring for the math).
+
+    Metrics returned by ``compute_loss_and_backward`` are sums; ``count`` is the number of valid
+    completion tokens, so the stack reports per-token means of: ``kl`` (KL to the reference, 0
+    without one), ``entropy``, ``clip_frac`` (tokens with the ratio outside
+    ``[1 - clip_low, 1 + clip_high]``), ``approx_kl`` (``0.5 (logp - logp_old)^2``), ``ratio`` and
+    ``logp_gap`` (``|logp - logp_old|`` on the first pass only, with ``logp_gap_count``: the
+    rollout / train mismatch). ``loss`` and ``policy_loss`` come with ``loss_count`` /
+    ``policy_loss_count`` so that the reported value is the objective in the configured
+    aggregation (per sequence or per token).
+    """
+
+    supports_multi_update: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        advantage_estimator: AdvantageEstimator = "grpo",
+        normalize_std: bool = True,
+        loss_aggregation: LossAggregation = "seq_mean_token_mean",
+        loss_norm_tokens: int | None = None,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dynamic_sampling: bool = False,
+        kl_beta: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        entropy_coef: float = 0.0,
+        pipeline: Any = None,
+    ) -> None:
+        super().__init__(pipeline=pipeline)
+        if not isinstance(group_size, int) or group_size < 2:
+            raise ValueError(f"group_size must be an int >= 2 (group-relative advantages), got {group_size!r}")
+        if advantage_estimator not in _ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {_ESTIMATORS}, got {advantage_estimator!r}")
+        if loss_aggregation not in _AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {_AGGREGATIONS}, got {loss_aggregation!r}")
+        if loss_norm_tokens is not None and loss_norm_tokens < 1:
+            raise ValueError(f"loss_norm_tokens must be >= 1 (or None: the pipeline's max_new_tokens), got {loss_norm_tokens}")
+        if not (0 < clip_low < 1 and clip_high > 0):
+            raise ValueError(f"need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+        if kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0 (0 disables the KL term), got {kl_beta}")
+        if kl_estimator not in _KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {_KL_ESTIMATORS}, got {kl_estimator!r}")
+        if loss_norm_tokens is not None and loss_aggregation != "seq_mean_token_sum_norm":
+            logger.warning("GRPO: loss_norm_tokens is only used by loss_aggregation='seq_mean_token_sum_norm'; ignored")
+        self.group_size = group_size
+        self.advantage_estimator = advantage_estimator
+        self.normalize_std = normalize_std
+        self.loss_aggregation = loss_aggregation
+        self.loss_norm_tokens = loss_norm_tokens
+        self.clip_low = clip_low
+        self.clip_high = clip_high
+        self.dynamic_sampling = dynamic_sampling
+        self.kl_beta = kl_beta
+        self.kl_estimator = kl_estimator
+        self.entropy_coef = entropy_coef
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_beta > 0
+
+    # ------------------------------------------------------------------ driver side
+    def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
+        """Group advantages by ``sample.group_id`` from ``sample.reward`` (set in place); ``algo/`` metrics.
+
+        Invalid rewards (``None`` / non-finite) get advantage 0 (``algo/invalid_reward_frac``).
+        With ``dynamic_sampling`` also reports ``algo/filtered_group_frac``: the groups with no
+        signal, whose samples all have advantage 0 (see ``filter_uninformative``).
+        """
+        sizes = Counter(s.group_id for s in samples)
+        bad = sum(1 for n in sizes.values() if n != self.group_size)
+        if bad:
+            logger.warning("GRPO: %d of %d groups do not have group_size=%d members", bad, len(sizes), self.group_size)
+        rewards = [s.reward for s in samples]
+        groups = [s.group_id for s in samples]
+        if self.advantage_estimator == "grpo":
+            advs = grpo_advantages(rewards, groups, normalize_std=self.normalize_std)
+        else:
+            advs = rloo_advantages(rewards, groups, normalize_std=self.normalize_std)
+        for s, a in zip(samples, advs):
+            s.advantage = a
+        n = max(len(samples), 1)
+        mean = sum(advs) / n
+        no_signal = uninformative_groups(rewards, groups)
+        metrics = {
+            "algo/adv_mean": mean,
+            "algo/adv_std": math.sqrt(sum((a - mean) ** 2 for a in advs) / n),
+            "algo/adv_abs_max": max((abs(a) for a in advs), default=0.0),
+            "algo/zero_std_group_frac": len(no_signal) / max(len(sizes), 1),
+            "algo/invalid_reward_frac": sum(not _is_valid(r) for r in rewards) / n,
+        }
+        if self.dynamic_sampling:
+            metrics["algo/filtered_group_frac"] = metrics["algo/zero_std_group_frac"]
+        return metrics
+
+    def filter_uninformative(self, samples: list[Sample]) -> list[Sample]:
+        """The samples whose group has a learning signal (DAPO's dynamic-sampling filter), in order."""
+        drop = uninformative_groups([s.reward for s in samples], [s.group_id for s in samples])
+        return [s for s in samples if s.group_id not in drop]
+
+    # ------------------------------------------------------------------ train side
+    def loss_units(self, samples: list[Sample]) -> float:
+        """Valid completion tokens for ``token_mean`` (global token normalisation); samples otherwise."""
+        if self.loss_aggregation == "token_mean":
+            return sum(_valid_tokens(text_part(s)) for s in samples)
+        return float(len(samples))
+
+    def prepare_segment(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
+        """Freeze pi_old: ``{"old_log_probs": {sample_id: Tensor[C]}}`` (the recorded behaviour log-probs)."""
+        old = {}
+        for s in samples:
+            part = text_part(s)
+            if part.log_probs is None:
+                raise ValueError(f"sample {s.sample_id!r} has a light TextPart (no log_probs); train on full samples")
+            old[s.sample_id] = part.log_probs.detach().float().clone()
+        return {"old_log_probs": old}
+
+    def _advantages(self, samples: list[Sample]) -> torch.Tensor:
+        """[B] advantages (a part's own advantage overrides the sample's)."""
+        values = []
+        for s in samples:
+            part_adv = text_part(s).advantage
+            adv = part_adv if part_adv is not None else s.advantage
+            if adv is None:
+                raise ValueError(f"sample {s.sample_id!r} has no advantage; call compute_advantages first")
+            values.append(float(adv))
+        return torch.tensor(values, dtype=torch.float32)
+
+    def _norm_tokens(self) -> float:
+        if self.loss_norm_tokens is not None:
+            return float(self.loss_norm_tokens)
+        limit = getattr(self.pipeline, "max_new_tokens", None)
+        if limit is None:
+            raise ValueError("seq_mean_token_sum_norm needs loss_norm_tokens or a pipeline with max_new_tokens")
+        return float(limit)
+
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> tuple[torch.Tensor, float, float]:
+        """(scaled loss to backward, metric sum, metric count) of per-token values under ``loss_aggregation``."""
+        if self.loss_aggregation == "token_mean":
+            total = token_sum(per_token, mask)
+            denom = ctx.global_units if ctx.global_units > 0 else 1.0  # 0 only when no token counts (sum is 0)
+            return total * (ctx.world_size / denom), total.item(), mask.sum().item()
+        if self.loss_aggregation == "seq_mean_token_mean":
+            per_seq = seq_mean_token_mean(per_token, mask)
+        else:
+            per_seq = seq_mean_token_sum_norm(per_token, mask, self._norm_tokens())
+        return per_seq.mean() * ctx.loss_scale, per_seq.sum().item(), float(per_seq.numel())
+
+    def compute_loss_and_backward(
+        self, samples: list[Sample], segment: dict[str, Any], ctx: LossContext
+    ) -> dict[str, float]:
+        """Clipped-surrogate (+ KL - entropy) loss of a micro-batch; one ``backward``; metric sums."""
+        if self.pipeline is None:
+            raise ValueError("GRPO needs pipeline=<CausalLMPipeline-like> to recompute token log-probs")
+        if self.needs_reference and ctx.reference is None:
+            raise ValueError("kl_beta > 0 needs a reference model; the stack must pass ctx.reference")
+        try:
+            parts = [dataclasses.replace(text_part(s), log_probs=segment["old_log_probs"][s.sample_id]) for s in samples]
+        except KeyError as err:
+            raise ValueError(f"sample {err} is not in this segment; call prepare_segment on its shard first") from err
+        batch = self.pipeline.collate(parts)
+        logp, entropy = self.pipeline.token_log_probs(ctx.policy, batch)
+        mask = batch["completion_mask"].to(logp.device)
+        old = batch["old_log_probs"].to(logp.device)
+        adv = self._advantages(samples).to(logp.device)
+
+        log_ratio = (logp - old) * mask  # masked before exp: positions outside completions hold garbage
+        pg, ratio = clipped_policy_loss(log_ratio, adv, clip_low=self.clip_low, clip_high=self.clip_high)
+        kl = torch.zeros_like(pg)
+        if self.kl_beta > 0:
+            with ctx.reference() as ref, torch.no_grad():
+                ref_logp, _ = self.pipeline.token_log_probs(ref, batch)
+            kl = kl_penalty(logp, ref_logp.to(logp.device).detach(), self.kl_estimator)
+        per_token = pg
+        if self.kl_beta > 0:
+            per_token = per_token + self.kl_beta * kl
+        if self.entropy_coef != 0:
+            per_token = per_token - self.entropy_coef * entropy
+        scaled, loss_sum, agg_count = self._aggregate(per_token, mask, ctx)
+        scaled.backward()
+
+        with torch.no_grad():
+            _, pg_sum, _ = self._aggregate(pg, mask, ctx)
+            lr = log_ratio.detach()
+            outside = (ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)
+            n_tokens = mask.sum().item()
+            out = {
+                "loss": loss_sum,
+                "loss_count": agg_count,
+                "policy_loss": pg_sum,
+                "policy_loss_count": agg_count,
+                "kl": (kl * mask).sum().item(),
+                "entropy": (entropy.detach() * mask).sum().item(),
+                "clip_frac": (outside.float() * mask).sum().item(),
+                "approx_kl": (0.5 * lr**2 * mask).sum().item(),
+                "ratio": (ratio.detach() * mask).sum().item(),
+                "count": n_tokens,
+                "logp_gap": (lr.abs() * mask).sum().item() if ctx.first_pass else 0.0,
+                "logp_gap_count": n_tokens if ctx.first_pass else 0.0,
+            }
+        return out
+
+
+class DrGRPO(GRPO):
+    """Dr. GRPO: no std normalisation, per-sequence token sum / constant (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        normalize_std: bool = False,
+        loss_aggregation: LossAggregation = "seq_mean_token_sum_norm",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(group_size=group_size, normalize_std=normalize_std, loss_aggregation=loss_aggregation, **kwargs)
+
+
+class DAPO(GRPO):
+    """DAPO: clip-higher 0.2 / 0.28, global token-mean loss, dynamic-sampling marks (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        loss_aggregation: LossAggregation = "token_mean",
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        dynamic_sampling: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            group_size=group_size,
+            loss_aggregation=loss_aggregation,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dynamic_sampling=dynamic_sampling,
+            **kwargs,
+        )
+
+
+class RLOO(GRPO):
+    """RLOO: leave-one-out baseline, no std normalisation (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        advantage_estimator: AdvantageEstimator = "rloo",
+        normalize_std: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            group_size=group_size, advantage_estimator=advantage_estimator, normalize_std=normalize_std, **kwargs
+        )

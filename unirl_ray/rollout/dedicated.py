@@ -36,7 +36,7 @@ class DedicatedRollout:
     """Prompts per engine call (the unit of load balancing)."""
     timeout_s: float = 600.0
     """Longest wait for one engine call or for the app to become ready."""
-    max_retries: int = 2
+    max_retries: int = 3
     """Retries of a failed engine call (e.g. a replica that died) before the step fails."""
 
     def __post_init__(self) -> None:
@@ -123,6 +123,7 @@ class DedicatedEngine:
                 if attempt == self.cfg.max_retries:
                     raise RuntimeError(f"rollout engine call failed after {attempt + 1} attempts: {exc}") from exc
                 log.warning("rollout engine call failed (%s); retrying (%d/%d)", exc, attempt + 1, self.cfg.max_retries)
+                time.sleep(min(2.0 * (attempt + 1), 10.0))  # let Serve replace a dead replica
                 response = self.handle.generate.remote(chunk, self.version)
         raise AssertionError("unreachable")
 

@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 for _key, _value in {
     "HF_HUB_OFFLINE": "1",

@@ -6,7 +6,6 @@ Real parts only: the tiny SD3 is a real diffusers pipeline built from config.
 import json
 import os
 
-import mlflow
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient

@@ -32,16 +32,21 @@ class TrainsideRollout:
         for start in range(0, len(requests), self.micro_batch_size):
             chunk = requests[start : start + self.micro_batch_size]
             outputs = self.pipeline.sample([r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk], module=module)
-            for request, (part, media) in zip(chunk, outputs):
-                samples.append(
-                    Sample(
-                        sample_id=request["sample_id"],
-                        group_id=request["group_id"],
-                        prompt=request["prompt"],
-                        columns=dict(request.get("columns") or {}),
-                        parts=[part],
-                        image=media if isinstance(media, np.ndarray) else None,
-                        policy_version=policy_version,
-                    )
-                )
+            samples.extend(samples_from_outputs(chunk, outputs, policy_version))
         return samples
+
+
+def samples_from_outputs(requests: list[dict[str, Any]], outputs: list[tuple[Any, Any]], policy_version: int) -> list[Sample]:
+    """Samples from a pipeline's ``(part, media)`` outputs for the requests that produced them."""
+    return [
+        Sample(
+            sample_id=request["sample_id"],
+            group_id=request["group_id"],
+            prompt=request["prompt"],
+            columns=dict(request.get("columns") or {}),
+            parts=[part],
+            image=media if isinstance(media, np.ndarray) else None,
+            policy_version=policy_version,
+        )
+        for request, (part, media) in zip(requests, outputs)
+    ]

@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-_DTYPES = ("float32", "bfloat16", "float16")
+from unirl_ray.core.dtypes import TORCH_DTYPES
+
+_DTYPES = tuple(TORCH_DTYPES)
 
 
 @dataclass(kw_only=True)

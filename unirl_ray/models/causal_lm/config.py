@@ -12,11 +12,7 @@ import torch
 
 from unirl_ray.models.causal_lm.tokenizer import CHAR_VOCAB, SPECIAL_TOKENS
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from unirl_ray.core.dtypes import TORCH_DTYPES  # noqa: E402  (re-exported for callers)
 
 
 @dataclass(kw_only=True)

@@ -11,11 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from unirl_ray.core.dtypes import TORCH_DTYPES  # noqa: E402  (re-exported for callers)
 
 
 @dataclass(kw_only=True)

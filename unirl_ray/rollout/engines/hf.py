@@ -20,6 +20,7 @@ import torch
 
 from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample
+from unirl_ray.rollout.trainside import samples_from_outputs
 from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
 
 log = logging.getLogger(__name__)
@@ -88,20 +89,7 @@ class HFRolloutEngine:
             outputs = self.pipeline.sample(
                 [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module
             )
-        samples = []
-        for request, (part, media) in zip(requests, outputs):
-            samples.append(
-                Sample(
-                    sample_id=request["sample_id"],
-                    group_id=request["group_id"],
-                    prompt=request["prompt"],
-                    columns=dict(request.get("columns") or {}),
-                    parts=[part],
-                    image=media if not isinstance(media, str) else None,
-                    policy_version=self.version,
-                )
-            )
-        return samples
+        return samples_from_outputs(requests, outputs, self.version)
 
     async def generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
         """Generate on a worker thread so the replica's event loop stays responsive."""

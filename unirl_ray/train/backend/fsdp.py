@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from unirl_ray.core.dtypes import TORCH_DTYPES
 from unirl_ray.train.backend import dcp_io
 from unirl_ray.train.backend.lora import inject_lora
 from unirl_ray.train.configs import (
@@ -31,7 +32,6 @@ from unirl_ray.train.configs import (
 
 log = logging.getLogger(__name__)
 
-_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class FSDPBackend:
@@ -120,7 +120,7 @@ class FSDPBackend:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         cfg = self.fsdp_cfg
-        mp = MixedPrecisionPolicy(param_dtype=_DTYPE[cfg.param_dtype], reduce_dtype=_DTYPE[cfg.reduce_dtype])
+        mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.param_dtype], reduce_dtype=TORCH_DTYPES[cfg.reduce_dtype])
         world = dist.get_world_size()
         if cfg.fsdp_mode == "no_shard":  # HSDP with shard size 1 == replicate everything
             mesh = init_device_mesh(self.device.type, (world, 1), mesh_dim_names=("replicate", "shard"))

@@ -97,3 +97,34 @@ def test_cli_prints_one_clear_line_and_exits_2(capsys):
 def test_cli_rejects_non_override_arguments(capsys):
     assert run_trainer(DiffusionTrainer, [TINY, "--steps", "3"]) == 2
     assert "key=value" in capsys.readouterr().err
+
+
+def test_real_ar_recipe_validates_against_a_model_folder(monkeypatch, tmp_path):
+    from unirl_ray.trainer.ar import ARTrainer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    monkeypatch.setenv("PRETRAINED_MODEL", str(tmp_path))
+    monkeypatch.delenv("GSM8K_JSONL", raising=False)
+    path = os.path.join(ROOT, "recipes", "ar", "qwen2_5", "gsm8k_grpo_engine.yaml")
+    trainer = ARTrainer(load_recipe(path))
+    assert trainer.dedicated is not None and trainer.sync.every == 1
+    assert trainer.data.prompt_column == "question"
+    monkeypatch.delenv("PRETRAINED_MODEL")
+    with pytest.raises(RecipeError, match="PRETRAINED_MODEL"):
+        ARTrainer(load_recipe(path))
+
+
+@pytest.mark.parametrize("name", ["char_grpo_direct.yaml", "char_grpo_engine.yaml"])
+def test_tiny_ar_recipes_validate(name):
+    from unirl_ray.trainer.ar import ARTrainer
+
+    trainer = ARTrainer(load_recipe(os.path.join(ROOT, "recipes", "ar", "tiny", name)))
+    assert trainer.is_demo() and (trainer.dedicated is not None) == ("engine" in name)
+
+
+def test_ar_recipe_rejects_unknown_engine():
+    from unirl_ray.trainer.ar import ARTrainer
+
+    path = os.path.join(ROOT, "recipes", "ar", "tiny", "char_grpo_engine.yaml")
+    with pytest.raises(RecipeError, match="rollout.engine"):
+        ARTrainer(load_recipe(path, ["rollout.engine=sglang"]))

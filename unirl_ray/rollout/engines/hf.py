@@ -58,6 +58,9 @@ class HFRolloutEngine:
             unknown = [k for k in state if k not in names]
             if unknown:
                 raise ValueError(f"weights v{version} name parameters this engine lacks: {unknown[:5]}")
+            wrong = [k for k, t in state.items() if tuple(t.shape) != tuple(names[k].shape)]
+            if wrong:  # checked before any copy: a refused version never leaves the engine half-updated
+                raise ValueError(f"weights v{version} have wrong shapes for {wrong[:5]}")
             with torch.no_grad():
                 for name, tensor in state.items():
                     names[name].copy_(tensor.to(names[name].device, names[name].dtype))

@@ -1,0 +1,71 @@
+"""Weight sync contract without Ray: checksums, and an engine that refuses bad or stale weights."""
+
+import asyncio
+
+import pytest
+import torch
+
+from unirl_ray.rollout.engines.hf import HFRolloutEngine
+from unirl_ray.rollout.weight_sync import StaleWeightsError, TensorWeightSync, state_bytes, state_checksum
+
+SECTIONS = {
+    "bundle": {
+        "_target_": "unirl_ray.models.causal_lm.CausalLMBundle.from_config",
+        "config": {"_target_": "unirl_ray.models.causal_lm.CausalLMConfig", "seed": 0},
+    },
+    "pipeline": {"_target_": "unirl_ray.models.causal_lm.CausalLMPipeline", "max_new_tokens": 4},
+    "trainable_attr": "model",
+}
+
+
+def test_checksum_is_content_and_order_sensitive_only_to_content():
+    a = {"x": torch.arange(4.0), "y": torch.ones(2, 2)}
+    b = {"y": torch.ones(2, 2), "x": torch.arange(4.0)}
+    assert state_checksum(a) == state_checksum(b)
+    c = {"x": torch.arange(4.0), "y": torch.ones(2, 2) * (1 + 1e-7)}
+    assert state_checksum(a) != state_checksum(c)
+    assert state_checksum({"x": torch.arange(4.0)}) != state_checksum({"x": torch.arange(4.0).double()})
+    assert state_bytes(a) == 4 * 4 + 4 * 4
+
+
+def test_sync_every_validated():
+    with pytest.raises(ValueError, match="every"):
+        TensorWeightSync(every=0)
+    assert TensorWeightSync(every=2).due(4) and not TensorWeightSync(every=2).due(3)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HFRolloutEngine(SECTIONS)
+
+
+def request(i):
+    return {"sample_id": f"s{i}", "group_id": "g", "prompt": "hi", "columns": {}, "seed": i}
+
+
+def test_engine_generates_only_with_published_weights(engine):
+    with pytest.raises(StaleWeightsError, match="v-1"):
+        asyncio.run(engine.generate([request(0)], expected_version=0))
+    state = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+    engine.load_weights(0, state, state_checksum(state))
+    samples = asyncio.run(engine.generate([request(0), request(1)], expected_version=0))
+    assert [s.policy_version for s in samples] == [0, 0]
+    assert samples[0].parts[0].log_probs is not None
+
+
+def test_engine_refuses_corrupt_or_foreign_weights_and_keeps_its_version(engine):
+    name, param = next(iter(engine.module.named_parameters()))
+    state = {name: param.detach().clone() + 1}
+    before = engine.status()
+    with pytest.raises(ValueError, match="corrupted"):
+        engine.load_weights(7, state, "0" * 32)
+    with pytest.raises(ValueError, match="lacks"):
+        bad = {"no.such.weight": torch.zeros(1)}
+        engine.load_weights(7, bad, state_checksum(bad))
+    wrong_shape = {name: torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match="wrong shapes"):
+        engine.load_weights(7, wrong_shape, state_checksum(wrong_shape))
+    assert engine.status() == before
+    engine.load_weights(8, state, state_checksum(state))
+    assert engine.status()["version"] == 8
+    assert torch.equal(dict(engine.module.named_parameters())[name], state[name])

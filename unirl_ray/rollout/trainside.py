@@ -6,6 +6,7 @@ sampling equal the ones the stack recomputes at the start of the step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -27,12 +28,13 @@ class TrainsideRollout:
     @torch.no_grad()
     def generate(self, requests: list[dict[str, Any]], *, policy_version: int) -> list[Sample]:
         """``requests``: dicts with ``sample_id, group_id, prompt, columns, seed``."""
-        module = self.backend.module if self.backend is not None else None
         samples: list[Sample] = []
-        for start in range(0, len(requests), self.micro_batch_size):
-            chunk = requests[start : start + self.micro_batch_size]
-            outputs = self.pipeline.sample([r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk], module=module)
-            samples.extend(samples_from_outputs(chunk, outputs, policy_version))
+        with self.backend.sampling() if self.backend is not None else contextlib.nullcontext() as module:
+            for start in range(0, len(requests), self.micro_batch_size):
+                chunk = requests[start : start + self.micro_batch_size]
+                prompts, seeds = [r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk]
+                outputs = self.pipeline.sample(prompts, seeds, module=module)
+                samples.extend(samples_from_outputs(chunk, outputs, policy_version))
         return samples
 
 

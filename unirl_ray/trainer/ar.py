@@ -28,7 +28,13 @@ def _completion(sample: Sample) -> str:
 
 
 def _num_tokens(sample: Sample) -> int:
-    return sum(int(getattr(p, "num_tokens", 0)) for p in sample.parts if p.kind == "text")
+    """Generated tokens of a sample, whether its parts are full (engine) or light (trainside)."""
+    total = 0
+    for part in sample.parts:
+        if part.kind == "text":
+            ids = getattr(part, "completion_ids", None)
+            total += int(ids.numel()) if ids is not None else int(getattr(part, "num_tokens", 0))
+    return total
 
 
 class ARTrainer(RLTrainer):

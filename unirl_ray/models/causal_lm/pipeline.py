@@ -184,6 +184,7 @@ class CausalLMPipeline:
                 log_probs=log_probs[b, :n].clone(),
                 loss_mask=torch.ones(n, dtype=torch.float32),
                 text=text,
+                num_tokens=n,
             )
             outputs.append((part, text))
         return outputs

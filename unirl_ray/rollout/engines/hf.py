@@ -22,11 +22,12 @@ from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.trainside import samples_from_outputs
 from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
+from unirl_ray.rollout.engines.base import VersionedEngine
 
 log = logging.getLogger(__name__)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(VersionedEngine):
     """Serve deployment body (wrapped with ``serve.deployment`` by ``DedicatedEngine.deploy``)."""
 
     def __init__(self, sections: dict[str, Any], store: tuple[str, str] | None = None, seed: int = 0) -> None:
@@ -66,20 +67,6 @@ class HFRolloutEngine:
                     names[name].copy_(tensor.to(names[name].device, names[name].dtype))
             self.version, self.checksum = version, checksum
         return self.status()
-
-    def status(self) -> dict[str, Any]:
-        return {"version": self.version, "checksum": self.checksum, "replica": self.replica}
-
-    def _catch_up(self, expected_version: int) -> None:
-        if self.version >= expected_version or self.store is None:
-            return
-        import ray
-
-        store = ray.get_actor(self.store[0], namespace=self.store[1])
-        latest = ray.get(store.get_latest.remote(), timeout=60)
-        if latest is not None and latest["version"] >= expected_version:
-            state = ray.get(latest["ref"][0], timeout=300)
-            self.load_weights(latest["version"], state, latest["checksum"])
 
     # ------------------------------------------------------------ generation
     def _generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:

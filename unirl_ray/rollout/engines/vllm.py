@@ -54,6 +54,7 @@ import torch
 from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample, TextPart
 from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
+from unirl_ray.rollout.engines.base import VersionedEngine
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def refresh_shared_weight_layers(worker: Any) -> int:
     return refreshed
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(VersionedEngine):
     """Serve deployment body (wrapped with ``serve.deployment`` by ``DedicatedEngine.deploy``).
 
     Every vLLM call runs on one dedicated thread (the one that built the engine): the in-process
@@ -325,20 +326,6 @@ class VLLMRolloutEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.folder})
         self.llm.collective_rpc(refresh_shared_weight_layers)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-
-    def status(self) -> dict[str, Any]:
-        return {"version": self.version, "checksum": self.checksum, "replica": self.replica}
-
-    def _catch_up(self, expected_version: int) -> None:
-        if self.version >= expected_version or self.store is None:
-            return
-        import ray
-
-        store = ray.get_actor(self.store[0], namespace=self.store[1])
-        latest = ray.get(store.get_latest.remote(), timeout=60)
-        if latest is not None and latest["version"] >= expected_version:
-            state = ray.get(latest["ref"][0], timeout=300)
-            self.load_weights(latest["version"], state, latest["checksum"])
 
     # ------------------------------------------------------------ generation
     def _sampling_params(self, seed: int) -> Any:

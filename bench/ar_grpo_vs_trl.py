@@ -40,7 +40,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -60,6 +59,8 @@ for _key, _value in {
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _common import cpu_seconds, median  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIRECT = REPO / "recipes" / "ar" / "tiny" / "char_grpo_direct.yaml"
@@ -73,33 +74,10 @@ SIDE_NAMES = {
 STAGES = ("rollout", "reward", "train", "sync")
 
 
-def _median(values: list[float]) -> float:
-    values = [v for v in values if v is not None and np.isfinite(v)]
-    return float(statistics.median(values)) if values else float("nan")
-
-
 def _fmt(x: float | None, width: int = 7, digits: int = 3) -> str:
     if x is None or not np.isfinite(x):
         return f"{'-':>{width}}"
     return f"{x:{width}.{digits}f}"
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    """(this process, its child processes: the embedded Ray cluster) user+system CPU seconds so far."""
-    try:
-        import psutil
-    except ImportError:
-        return float("nan"), float("nan")
-    me = psutil.Process()
-    own = me.cpu_times()
-    children = 0.0
-    for proc in me.children(recursive=True):
-        try:
-            t = proc.cpu_times()
-            children += t.user + t.system
-        except psutil.Error:
-            pass
-    return own.user + own.system, children
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +287,7 @@ class BareLoop:
     def step(self, step: int) -> dict[str, float]:
         task = self.task
         t_step = time.perf_counter()
-        P, G, n = task.prompts_per_step, task.group_size, task.num_samples
+        G, n = task.group_size, task.num_samples
         prompts = [self.schedule[step - 1][i // G] for i in range(n)]
         seeds = [self.derive_seed(task.seed, "sample", step, i) for i in range(n)]
 
@@ -680,9 +658,9 @@ def main(argv: list[str] | None = None) -> int:
             setup_s["D"] = time.perf_counter() - t0
 
         def run(side: str, n: int, measured: bool) -> None:
-            c0 = _cpu_seconds()
+            c0 = cpu_seconds()
             wall = runners[side].run_block(n)
-            c1 = _cpu_seconds()
+            c1 = cpu_seconds()
             schedule_log.append(f"{side}{n}")
             if measured:
                 walls[side].append(wall / n)
@@ -727,13 +705,13 @@ def main(argv: list[str] | None = None) -> int:
         series = {k: [steps[s][k] for s in measured] for k in ("time", *STAGES)}
         curve = {s: steps[s]["reward_mean"] for s in sorted(steps)}
         stats[side] = {
-            "step_median_s": _median(series["time"]),
+            "step_median_s": median(series["time"]),
             "step_min_s": min(series["time"]),
-            "stages_median_s": {k: _median(series[k]) for k in STAGES},
-            "wall_per_step_median_s": _median(walls[side]),
-            "cpu_s_per_step_median": {"main_process": _median([c[0] for c in cpu[side]]),
-                                      "ray_processes": _median([c[1] for c in cpu[side]])},
-            "block_medians_s": [_median([steps[s]["time"] for s in measured[b * args.block_steps:(b + 1) * args.block_steps]])
+            "stages_median_s": {k: median(series[k]) for k in STAGES},
+            "wall_per_step_median_s": median(walls[side]),
+            "cpu_s_per_step_median": {"main_process": median([c[0] for c in cpu[side]]),
+                                      "ray_processes": median([c[1] for c in cpu[side]])},
+            "block_medians_s": [median([steps[s]["time"] for s in measured[b * args.block_steps:(b + 1) * args.block_steps]])
                                 for b in range(args.blocks)],
             "steps_to_threshold": first_reaching(curve, args.threshold),
             "reward_step1": curve.get(1),
@@ -745,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         if side in "AB":
             ckpts = [steps[s]["checkpoint"] for s in measured if np.isfinite(steps[s]["checkpoint"])]
-            stats[side]["mlflow_log_median_s"] = _median([steps[s]["log"] for s in measured])
-            stats[side]["train_worker_compute_median_s"] = _median([steps[s]["train_worker"] for s in measured])
+            stats[side]["mlflow_log_median_s"] = median([steps[s]["log"] for s in measured])
+            stats[side]["train_worker_compute_median_s"] = median([steps[s]["train_worker"] for s in measured])
             stats[side]["checkpoint_s"] = ckpts
     # prompts: every side must have trained on the same prompts, step by step
     prompt_mismatch = {}
@@ -822,10 +800,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  checks: step-1 reward {', '.join(f'{s} {v:.6f}' for s, v in r1.items())} (same weights, prompts, seeds); "
               + "; ".join(f"{s} vs {same[-1]}: reward curves " + (f"first differ at step {v}" if v else "identical")
                           for s, v in agree.items()))
-    print(f"  max first-pass |logp - logp_old| per token: "
+    print("  max first-pass |logp - logp_old| per token: "
           + ", ".join(f"{s} {stats[s]['max_logp_gap']:.1e}" for s in sides)
           + "; prompts per step: " + ("identical on every side" if not prompt_mismatch else f"MISMATCH {prompt_mismatch}"))
-    print(f"  reward curves (every 5th step): " + "; ".join(
+    print("  reward curves (every 5th step): " + "; ".join(
         f"{s} " + " ".join(f"{v:.2f}" for v in stats[s]["reward_curve"][::5]) for s in sides))
     print(f"  setup seconds: {', '.join(f'{s} {v:.1f}' for s, v in setup_s.items())}; "
           f"1-min load average {load_start:.1f} at start, {load_end:.1f} at end ({os.cpu_count()} CPUs)"

@@ -30,7 +30,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +46,8 @@ for _key, _value in {
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _common import cpu_seconds, median  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = REPO / "recipes" / "diffusion" / "sd3" / "sd3_tiny_flowgrpo.yaml"
@@ -226,24 +227,6 @@ class BareLoop:
 # driver
 
 
-def _cpu_seconds() -> tuple[float, float]:
-    """(this process, its child processes: the embedded Ray cluster) user+system CPU seconds so far."""
-    try:
-        import psutil
-    except ImportError:
-        return float("nan"), float("nan")
-    me = psutil.Process()
-    own = me.cpu_times()
-    children = 0.0
-    for proc in me.children(recursive=True):
-        try:
-            t = proc.cpu_times()
-            children += t.user + t.system
-        except psutil.Error:
-            pass
-    return own.user + own.system, children
-
-
 def _thread_niceness() -> list[int]:
     """Distinct nice values of this process's threads (Linux; [] elsewhere)."""
     values = set()
@@ -253,10 +236,6 @@ def _thread_niceness() -> list[int]:
         except (OSError, IndexError, ValueError):
             pass
     return sorted(values)
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
 
 
 def _fmt(x: float, unit: str = "") -> str:
@@ -319,22 +298,22 @@ def main(argv: list[str] | None = None) -> int:
         bare = BareLoop(recipe, workers=args.workers, prompt_fallback=fallback_prompts)
 
         def run_a(n: int, measured: bool) -> None:
-            cpu0 = _cpu_seconds()
+            cpu0 = cpu_seconds()
             wall = driver.run_block(n)
-            cpu1 = _cpu_seconds()
+            cpu1 = cpu_seconds()
             schedule.append(f"A{n}")
             if measured:
                 a_blocks.append(wall / n)
                 a_cpu.append(((cpu1[0] - cpu0[0]) / n, (cpu1[1] - cpu0[1]) / n))
 
         def run_b(n: int, measured: bool) -> None:
-            cpu0 = _cpu_seconds()
+            cpu0 = cpu_seconds()
             t0 = time.perf_counter()
             for _ in range(n):
                 m = bare.step(driver.prompts_of(bare.step_index + 1))
                 b_metrics[bare.step_index] = m
             wall = time.perf_counter() - t0
-            cpu1 = _cpu_seconds()
+            cpu1 = cpu_seconds()
             schedule.append(f"B{n}")
             if measured:
                 b_blocks.append(wall / n)
@@ -378,20 +357,20 @@ def main(argv: list[str] | None = None) -> int:
     def b_series(key: str) -> list[float]:
         return [b_metrics[s][key] for s in measured]
 
-    a = {k: _median(a_series(f"timing/{k}")) for k in ("step", *STAGES, "train_step")}
-    b = {k: _median(b_series(f"timing/{k}")) for k in ("step", *STAGES)}
-    a_other = _median([history["timing/step"][s] - sum(history[f"timing/{k}"].get(s, 0.0) for k in STAGES) for s in measured])
-    b_other = _median([b_metrics[s]["timing/step"] - sum(b_metrics[s][f"timing/{k}"] for k in STAGES) for s in measured])
+    a = {k: median(a_series(f"timing/{k}")) for k in ("step", *STAGES, "train_step")}
+    b = {k: median(b_series(f"timing/{k}")) for k in ("step", *STAGES)}
+    a_other = median([history["timing/step"][s] - sum(history[f"timing/{k}"].get(s, 0.0) for k in STAGES) for s in measured])
+    b_other = median([b_metrics[s]["timing/step"] - sum(b_metrics[s][f"timing/{k}"] for k in STAGES) for s in measured])
     ratio = a["step"] / b["step"]
-    wall_a, wall_b = _median(a_blocks), _median(b_blocks)
+    wall_a, wall_b = median(a_blocks), median(b_blocks)
     # drift check: the ratio of each adjacent (A block, B block) pair, and the fastest steps
     pair_ratios = []
     for k in range(args.blocks):
         steps = measured[k * args.block_steps:(k + 1) * args.block_steps]
-        pair_ratios.append(_median([history["timing/step"][s] for s in steps]) / _median([b_metrics[s]["timing/step"] for s in steps]))
+        pair_ratios.append(median([history["timing/step"][s] for s in steps]) / median([b_metrics[s]["timing/step"] for s in steps]))
     a_min, b_min = min(a_series("timing/step")), min(b_series("timing/step"))
 
-    cpu = {side: (_median([c[0] for c in blocks]), _median([c[1] for c in blocks])) for side, blocks in (("a", a_cpu), ("b", b_cpu))}
+    cpu = {side: (median([c[0] for c in blocks]), median([c[1] for c in blocks])) for side, blocks in (("a", a_cpu), ("b", b_cpu))}
     load_end = os.getloadavg()[0]
     rows = [
         ("rollout  (timing/rollout)", a["rollout"], b["rollout"]),
@@ -418,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         r = va / vb if (show or [True])[0] and np.isfinite(va) and np.isfinite(vb) and vb > 0 else float("nan")
         print(f"{name:<{width}}  {_fmt(va, 's')}   {_fmt(vb, 's')}  {_fmt(r)}")
     print(f"RATIO A/B (timing/step medians) = {ratio:.2f}x   (wall/step: {wall_a / wall_b:.2f}x)")
-    print(f"per block pair A/B: {' '.join(f'{r:.2f}' for r in pair_ratios)} (median {_median(pair_ratios):.2f}); "
+    print(f"per block pair A/B: {' '.join(f'{r:.2f}' for r in pair_ratios)} (median {median(pair_ratios):.2f}); "
           f"fastest step: A {a_min:.3f}s, B {b_min:.3f}s, ratio {a_min / b_min:.2f}x")
     a_r1, b_r1 = history["reward/mean"].get(1), b_metrics[1]["reward/mean"]
     b_gap = max(m["rollout/logp_gap"] for m in b_metrics.values())

@@ -21,17 +21,17 @@ import asyncio
 import base64
 import io
 import logging
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 from ray import serve
 
 from unirl_ray.rewards.combine import RewardConfig, RewardError, combine, reward_metrics, score_one
+from unirl_ray.runtime.timeouts import call_with_timeout as _call_with_timeout
 
 if TYPE_CHECKING:  # replicas never import torch through the Sample module
     from unirl_ray.core.sample import Sample
@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 CLIENT_GRACE_S = 2.0
 """Extra seconds the driver waits beyond ``timeout_s`` (transport, queueing) so the replica names a slow source."""
 
-T = TypeVar("T")
 
 
 @serve.deployment(graceful_shutdown_timeout_s=5)
@@ -159,26 +158,6 @@ def start_serve(http_port: int | None = None) -> None:
         serve.start(proxy_location="Disabled")
     else:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": int(http_port)})
-
-
-def _call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run a blocking Serve control call in a thread; TimeoutError instead of a hang."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"unirl-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"{what} did not finish within {timeout_s} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -82,7 +82,7 @@ class DedicatedEngine:
         from ray import serve
 
         from unirl_ray.config.recipe import locate
-        from unirl_ray.rewards.service import _call_with_timeout as call_with_timeout
+        from unirl_ray.runtime.timeouts import call_with_timeout
         from unirl_ray.rewards.service import start_serve
         from unirl_ray.runtime.train_group import NAMESPACE
 

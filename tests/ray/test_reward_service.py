@@ -10,7 +10,7 @@ import pytest
 from ray import cloudpickle
 
 from unirl_ray.core.sample import Sample
-from unirl_ray.rewards import RewardClient, RewardConfig, RewardError, brightness, jpeg_compressibility
+from unirl_ray.rewards import RewardApp, RewardClient, RewardConfig, RewardError, brightness, jpeg_compressibility
 
 # Reward fns below live in this test module, which Serve replicas cannot import: ship them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -64,7 +64,7 @@ def reward_app(ray_local):
 def _client(app: RewardClient, names: list[str], **policy) -> RewardClient:
     """A client for a subset of the app's sources with its own policy (policy is applied client-side)."""
     cfg = RewardConfig.from_dict({"rewards": {n: ALL_REWARDS[n] for n in names}, **policy})
-    return RewardClient(app._handle, cfg, app.app_name)
+    return RewardClient([RewardApp(app.apps[0].handle, cfg, app.app_name)], cfg)
 
 
 def test_scores_weights_and_replicas(reward_app):

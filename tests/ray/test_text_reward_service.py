@@ -13,7 +13,9 @@ from unirl_ray.rewards.service import samples_to_inputs
 RM_KWARGS = {"tiny": True, "seed": 3, "batch_size": 4, "device": "cpu"}
 REWARDS = {
     "math": {"fn": "unirl_ray.rewards.text.math_exact_match", "weight": 1.0},
-    "rm": {"fn": "unirl_ray.rewards.model.SequenceClassifierReward", "weight": 0.5, "kwargs": RM_KWARGS},
+    # The reward model runs as its own Serve app (its own replicas and resources).
+    "rm": {"fn": "unirl_ray.rewards.model.SequenceClassifierReward", "weight": 0.5, "kwargs": RM_KWARGS,
+           "app": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}},
     "chars": {"fn": "unirl_ray.rewards.text.char_fraction", "weight": 0.0, "kwargs": {"char": "4"}},
 }
 
@@ -83,6 +85,20 @@ def test_text_samples_scored_by_rules_and_reward_model(text_reward_app, gsm8k_ro
     assert metrics["reward/mean"] == pytest.approx(sum(s.reward for s in samples[:6]) / 6)
     for key in ("reward/chars/mean", "reward/rm/std", "timing/reward", "timing/reward/rm", "timing/reward/math"):
         assert key in metrics
+
+
+def test_reward_model_runs_in_its_own_app(text_reward_app):
+    from ray import serve
+
+    assert [a.name for a in text_reward_app.apps] == ["text-reward-test", "text-reward-test-rm"]
+    assert [s.name for s in text_reward_app.apps[0].config.specs] == ["math", "chars"]
+    assert [s.name for s in text_reward_app.apps[1].config.specs] == ["rm"]
+    running = serve.status().applications
+    for app in text_reward_app.apps:
+        assert running[app.name].status == "RUNNING"
+        # each replica was built from its app's config only: the rule app never loads the model
+        assert sorted(app.handle.get_config.remote().result(timeout_s=30)["rewards"]) == sorted(
+            s.name for s in app.config.specs)
 
 
 def test_http_body_without_images_scores_text():

@@ -20,7 +20,18 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+def _setup_installed_vllm() -> bool:
+    """True when `.ci/setup --with-vllm` installed vLLM into this venv (then a skip would hide a bug)."""
+    import sys
+
+    stamp = os.path.join(sys.prefix, ".unirl_installed")
+    return os.path.exists(stamp) and "vllm" in open(stamp).read().split()
+
+
+if _setup_installed_vllm():
+    import vllm  # noqa: F401  (must import: the test command installed it)
+else:
+    pytest.importorskip("vllm")
 
 from unirl_ray.config.recipe import instantiate  # noqa: E402
 from unirl_ray.rollout.weight_sync import state_checksum  # noqa: E402

@@ -178,3 +178,31 @@ def test_reward_metrics():
 def test_rewards_package_does_not_import_ray():
     code = "import sys, unirl_ray.rewards; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_sources_with_their_own_app_are_placed_apart():
+    cfg = RewardConfig.from_dict({
+        "rewards": {
+            "bright": {"fn": "unirl_ray.rewards.image.brightness"},
+            "jpeg": {"fn": "unirl_ray.rewards.image.jpeg_compressibility", "weight": 0.5,
+                     "app": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.25}}},
+        },
+        "num_replicas": 3,
+        "ray_actor_options": {"num_cpus": 0.5},
+        "timeout_s": 7.0,
+    })
+    (s0, shared), (s1, own) = cfg.placements()
+    assert (s0, s1) == ("", "-jpeg")
+    assert [s.name for s in shared.specs] == ["bright"] and shared.num_replicas == 3
+    assert [s.name for s in own.specs] == ["jpeg"] and own.num_replicas == 2 and own.timeout_s == 7.0
+    assert own.ray_actor_options == {"num_cpus": 1, "num_gpus": 0.25} and own.weights == {"jpeg": 0.5}
+    assert cfg.weights == {"bright": 1.0, "jpeg": 0.5}  # combined on the driver over all apps
+    assert cfg.resources() == {"CPU": 3 * 0.5 + 2 * 1, "GPU": 0.5}
+    with pytest.raises(ValueError, match="unknown app key 'num_replica'.*did you mean 'num_replicas'"):
+        RewardConfig.from_dict({"rewards": {"b": {"fn": "unirl_ray.rewards.image.brightness",
+                                                  "app": {"num_replica": 2}}}})
+    with pytest.raises(ValueError, match="num_replicas must be an int >= 1"):
+        RewardConfig.from_dict({"rewards": {"b": {"fn": "unirl_ray.rewards.image.brightness",
+                                                  "app": {"num_replicas": 0}}}})
+    only_own = RewardConfig.from_dict({"rewards": {"b": {"fn": "unirl_ray.rewards.image.brightness", "app": {}}}})
+    assert [suffix for suffix, _ in only_own.placements()] == ["-b"]

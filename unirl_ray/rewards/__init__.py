@@ -22,7 +22,7 @@ from unirl_ray.rewards.image import (
     target_color,
 )
 
-_SERVICE_NAMES = ("RewardService", "RewardClient", "build_reward_app", "start_serve", "samples_to_inputs")
+_SERVICE_NAMES = ("RewardService", "RewardClient", "RewardApp", "build_reward_app", "start_serve", "samples_to_inputs")
 
 __all__ = [
     "RewardConfig",

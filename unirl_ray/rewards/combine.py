@@ -167,7 +167,8 @@ class RewardFnSpec:
         return call
 
 
-_SPEC_KEYS = ("fn", "weight", "kwargs")
+_SPEC_KEYS = ("fn", "weight", "kwargs", "app")
+_APP_KEYS = ("num_replicas", "ray_actor_options", "max_ongoing_requests")
 
 
 @dataclass(kw_only=True)
@@ -175,7 +176,9 @@ class RewardConfig:
     """Which reward sources to run, how to weight them, and how the reward Serve app is placed."""
 
     rewards: dict[str, dict[str, Any]]
-    """Sources by name: ``{"brightness": {"fn": "unirl_ray.rewards.image.brightness", "weight": 1.0, "kwargs": {}}}``."""
+    """Sources by name: ``{"brightness": {"fn": "unirl_ray.rewards.image.brightness", "weight": 1.0, "kwargs": {}}}``.
+    A source with ``app: {num_replicas, ray_actor_options, max_ongoing_requests}`` runs as its own Serve
+    app with those replicas and resources (e.g. a reward model on a GPU share); the others share one app."""
     timeout_s: float = 60.0
     """Deadline of each reward fn on one request, seconds (the driver waits this plus a small grace)."""
     max_retries: int = 1
@@ -195,7 +198,11 @@ class RewardConfig:
                              "{'brightness': {'fn': 'unirl_ray.rewards.image.brightness'}}")
         self.rewards = {str(k): dict(v) if isinstance(v, Mapping) else v for k, v in self.rewards.items()}
         self._specs = [self._make_spec(name, entry) for name, entry in self.rewards.items()]
+        self._apps = {name: self._check_app(name, entry["app"]) for name, entry in self.rewards.items()
+                      if isinstance(entry, Mapping) and entry.get("app") is not None}
         self._check_scalars()
+        if self._apps:
+            self.placements()  # validates each app's replicas and resources now, on the driver
 
     @staticmethod
     def _make_spec(name: str, entry: Any) -> RewardFnSpec:
@@ -207,6 +214,18 @@ class RewardConfig:
             if key not in _SPEC_KEYS:
                 raise ValueError(f"reward {name!r}: unknown key {key!r}{_did_you_mean(key, _SPEC_KEYS)}; allowed: {list(_SPEC_KEYS)}")
         return RewardFnSpec(name=name, fn=entry["fn"], weight=entry.get("weight", 1.0), kwargs=entry.get("kwargs") or {})
+
+    @staticmethod
+    def _check_app(name: str, app: Any) -> dict[str, Any]:
+        """The placement of a source that runs as its own Serve app; ValueError on unknown keys."""
+        if not isinstance(app, Mapping):
+            raise ValueError(f"reward {name!r}: app must be a mapping like {{num_replicas: 1, ray_actor_options: "
+                             f"{{num_cpus: 1, num_gpus: 0.25}}}}, got {app!r}")
+        for key in app:
+            if key not in _APP_KEYS:
+                raise ValueError(f"reward {name!r}: unknown app key {key!r}{_did_you_mean(str(key), _APP_KEYS)}; "
+                                 f"allowed: {list(_APP_KEYS)}")
+        return dict(app)
 
     def _check_scalars(self) -> None:
         if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
@@ -222,6 +241,30 @@ class RewardConfig:
         if not isinstance(self.ray_actor_options, Mapping):
             raise ValueError(f"ray_actor_options must be a mapping like {{'num_cpus': 0.25}}, got {self.ray_actor_options!r}")
         self.ray_actor_options = dict(self.ray_actor_options)
+
+    def placements(self) -> list[tuple[str, "RewardConfig"]]:
+        """One ``(suffix, config)`` per Serve app: the shared app (suffix ``""``) with every source
+        without ``app``, then one app per source with ``app`` (suffix ``"-<name>"``), each config
+        holding only its sources and its own replicas / resources (timeouts and policy are shared)."""
+        base = {k: v for k, v in self.to_dict().items() if k != "rewards"}
+        shared = {n: e for n, e in self.rewards.items() if n not in self._apps}
+        out: list[tuple[str, RewardConfig]] = []
+        if shared:
+            out.append(("", RewardConfig(rewards=shared, **base)))
+        for name, app in self._apps.items():
+            entry = {k: v for k, v in self.rewards[name].items() if k != "app"}
+            out.append((f"-{name}", RewardConfig(rewards={name: entry}, **{**base, **app})))
+        return out
+
+    def resources(self) -> dict[str, float]:
+        """CPUs / GPUs all reward replicas reserve, summed over apps (for the cluster-fit check)."""
+        need: dict[str, float] = {}
+        for _, cfg in self.placements():
+            opts = cfg.ray_actor_options
+            need["CPU"] = need.get("CPU", 0.0) + float(opts.get("num_cpus", 1)) * cfg.num_replicas
+            if opts.get("num_gpus"):
+                need["GPU"] = need.get("GPU", 0.0) + float(opts["num_gpus"]) * cfg.num_replicas
+        return need
 
     @property
     def specs(self) -> list[RewardFnSpec]:

@@ -9,16 +9,16 @@ replica builds it once (its ``kwargs`` go to the constructor) and then calls it 
           fn: unirl_ray.rewards.model.SequenceClassifierReward
           weight: 1.0
           kwargs: {path: /models/my-rm, batch_size: 16, device: auto}
+          app: {num_replicas: 2, ray_actor_options: {num_cpus: 1, num_gpus: 0.25}}
         math:
           fn: unirl_ray.rewards.text.math_exact_match
-      ray_actor_options: {num_cpus: 1, num_gpus: 0.25}
+      ray_actor_options: {num_cpus: 0.25}
 
-Resources: every source of one reward config runs in the same Serve app, so the replica's
-``ray_actor_options`` must cover the model: ``num_gpus: 0.25`` puts four replicas on one GPU
-(``device: auto`` then picks ``cuda``), ``memory`` reserves host RAM, ``num_replicas`` scales out
-(each replica loads its own copy). Rule rewards share that replica at no cost. A model that needs
-different resources from the rest can run as a second app: deploy a second ``RewardClient`` with
-its own ``RewardConfig`` and ``app_name`` (one app per resource shape).
+Placement: ``app:`` gives the model its own Serve app with its own replicas and resources, while
+the rule rewards keep sharing the main reward app. With ``num_gpus: 0.25`` four replicas share one
+GPU (``device: auto`` then picks ``cuda``); ``memory`` reserves host RAM; each replica loads its own
+copy. Without ``app`` the model runs inside the shared reward app, whose ``ray_actor_options`` must
+then cover it.
 
 The model is a Hugging Face ``AutoModelForSequenceClassification`` with ``num_labels=1`` (the usual
 reward-model head: the score is the logit at the last non-padding token for decoder models) and its

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -194,15 +195,46 @@ def samples_to_inputs(samples: Sequence[Sample]) -> tuple[Any, list[str], dict[s
     return images, prompts, columns
 
 
-class RewardClient:
-    """Driver-side handle to a deployed ``RewardService`` app, applying the failure policy."""
+@dataclass(frozen=True)
+class RewardApp:
+    """One deployed reward Serve app: its handle, the sources it runs (its config) and its name."""
 
-    def __init__(self, handle: Any, config: RewardConfig, app_name: str):
-        self._handle = handle
+    handle: Any
+    """Serve ``DeploymentHandle`` of the app's ``RewardService``."""
+    config: RewardConfig
+    """The app's sources, replicas and resources."""
+    name: str
+    """Serve application name."""
+
+
+@dataclass
+class _Unit:
+    """One request slot of a scoring call: a slice of the batch for one app, and its unfinished sources."""
+
+    app: RewardApp
+    lo: int
+    hi: int
+    payload: tuple
+    pending: list[str]
+
+
+class RewardClient:
+    """Driver-side handle to the deployed reward app(s), applying the failure policy.
+
+    Sources without ``app`` share one Serve app; each source with ``app`` (e.g. a reward model that
+    needs a GPU share) has its own. A batch is split across the replicas of every app, all requests
+    go out at once, and the per-source scores are combined on the driver.
+    """
+
+    def __init__(self, apps: Sequence[RewardApp], config: RewardConfig):
+        if not apps:
+            raise ValueError("RewardClient needs at least one reward app")
+        self.apps = list(apps)
+        """The deployed apps (the shared one first)."""
         self.config = config
-        """The reward config (weights, timeout, retry policy)."""
-        self.app_name = app_name
-        """Serve application name."""
+        """The whole reward config (weights, timeout, retry policy)."""
+        self.app_name = self.apps[0].name
+        """Name of the first (shared) Serve application; the others are ``<app_name>-<source>``."""
         self.last_timing: dict[str, float] = {}
         """Seconds each source took in its replica during the last call (max over replicas)."""
 
@@ -215,37 +247,31 @@ class RewardClient:
         http_port: int | None = None,
         ready_timeout_s: float = 120.0,
     ) -> "RewardClient":
-        """Start Serve (HTTP off unless ``http_port``) and run the reward app; wait until it is ready.
+        """Start Serve (HTTP off unless ``http_port``) and run the reward app(s); wait until ready.
 
-        Raises TimeoutError when the replicas do not start within ``ready_timeout_s`` (usually: not
-        enough free CPUs for ``num_replicas`` x ``ray_actor_options``); the half-deployed app is deleted.
+        One app ``app_name`` for the shared sources, plus ``<app_name>-<source>`` for every source with
+        its own ``app`` placement. Raises TimeoutError when the replicas do not start within
+        ``ready_timeout_s`` (usually: not enough free CPUs / GPUs for ``num_replicas`` x
+        ``ray_actor_options``); apps already deployed by this call are deleted again.
         """
         cfg = RewardConfig.from_dict(config)
         start_serve(http_port)
-        app = build_reward_app(cfg)
-        route = f"/{app_name}" if http_port is not None else None
+        apps: list[RewardApp] = []
         try:
-            handle = _call_with_timeout(
-                lambda: serve.run(app, name=app_name, route_prefix=route), ready_timeout_s, f"deploy-{app_name}"
-            )
-        except TimeoutError:
-            _delete_quietly(app_name)
-            raise TimeoutError(
-                f"reward app {app_name!r} was not ready within {ready_timeout_s} s: it needs {cfg.num_replicas} "
-                f"replica(s) x {cfg.ray_actor_options}; check free resources with `ray status` (lower "
-                "ray_actor_options.num_cpus or the Train workers' CPUs) or raise ready_timeout_s"
-            ) from None
-        except Exception as exc:
-            raise RuntimeError(f"deploying reward app {app_name!r} failed: {exc}") from exc
-        handle.get_config.remote().result(timeout_s=ready_timeout_s)  # warm the handle's routing
-        return cls(handle, cfg, app_name)
+            for suffix, sub in cfg.placements():
+                apps.append(_deploy_one(sub, app_name + suffix, http_port, ready_timeout_s))
+        except BaseException:
+            for app in apps:
+                _delete_quietly(app.name)
+            raise
+        return cls(apps, cfg)
 
     @classmethod
     def connect(cls, app_name: str = "reward", *, timeout_s: float = 30.0) -> "RewardClient":
         """Attach to a reward app deployed elsewhere (e.g. ``serve deploy serve_apps/reward_config.yaml``)."""
         handle = serve.get_app_handle(app_name)
-        cfg = handle.get_config.remote().result(timeout_s=timeout_s)
-        return cls(handle, RewardConfig.from_dict(cfg), app_name)
+        cfg = RewardConfig.from_dict(handle.get_config.remote().result(timeout_s=timeout_s))
+        return cls([RewardApp(handle, cfg, app_name)], cfg)
 
     def score(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Score samples in place (``sample.rewards``, ``sample.reward``); return this batch's metrics.
@@ -275,22 +301,23 @@ class RewardClient:
     ) -> tuple[dict[str, list[float | None]], int, int]:
         """Per-source scores for raw inputs with retries and ``on_error``; also (retries, skipped) counts."""
         n = len(prompts)
-        names = [spec.name for spec in self.config.specs]
-        scores: dict[str, list[float | None]] = {name: [None] * n for name in names}
-        chunks = _split(n, self.config.num_replicas)
-        payloads = [self._payload(images, prompts, columns, lo, hi) for lo, hi in chunks]
-        pending = {ci: list(names) for ci in range(len(chunks))}
+        scores: dict[str, list[float | None]] = {spec.name: [None] * n for spec in self.config.specs}
+        units = [
+            _Unit(app, lo, hi, self._payload(images, prompts, columns, lo, hi), [s.name for s in app.config.specs])
+            for app in self.apps
+            for lo, hi in _split(n, app.config.num_replicas)
+        ]
         causes: dict[tuple[int, str], str] = {}
         retries = 0
         self.last_timing = {}
         for attempt in range(self.config.max_retries + 1):
-            if not any(pending.values()):
+            if not any(u.pending for u in units):
                 break
             if attempt:
-                retries += sum(len(v) for v in pending.values())
-                logger.warning("retrying reward source(s) %s (attempt %d)", _failed_names(pending), attempt + 1)
-            self._attempt(payloads, chunks, pending, scores, causes)
-        skipped = self._apply_on_error(pending, causes, chunks)
+                retries += sum(len(u.pending) for u in units)
+                logger.warning("retrying reward source(s) %s (attempt %d)", _failed_names(units), attempt + 1)
+            self._attempt(units, scores, causes)
+        skipped = self._apply_on_error(units, causes)
         return scores, retries, skipped
 
     def _payload(self, images: Any, prompts: Sequence[str], columns: Any, lo: int, hi: int) -> tuple:
@@ -299,58 +326,80 @@ class RewardClient:
         cols = {k: list(v[lo:hi]) for k, v in (columns or {}).items()}
         return ref, list(prompts[lo:hi]), cols
 
-    def _attempt(self, payloads: list, chunks: list, pending: dict, scores: dict, causes: dict) -> None:
-        """One round: send every chunk's pending sources, collect within one shared deadline."""
+    def _attempt(self, units: list[_Unit], scores: dict, causes: dict) -> None:
+        """One round: send every unit's pending sources, collect within one shared deadline."""
         responses = {
-            ci: self._handle.score_detailed.remote(*payloads[ci], names=list(todo), timeout_s=self.config.timeout_s)
-            for ci, todo in pending.items() if todo
+            ui: u.app.handle.score_detailed.remote(*u.payload, names=list(u.pending), timeout_s=self.config.timeout_s)
+            for ui, u in enumerate(units) if u.pending
         }
         wait_s = self.config.timeout_s + CLIENT_GRACE_S
         deadline = time.monotonic() + wait_s
-        for ci, response in responses.items():
-            lo, hi = chunks[ci]
+        for ui, response in responses.items():
+            unit = units[ui]
             try:
                 out = response.result(timeout_s=max(deadline - time.monotonic(), 0.01))
             except TimeoutError:
                 response.cancel()
-                for name in pending[ci]:
-                    causes[(ci, name)] = f"request for {pending[ci]} got no answer within {wait_s:g} s (timeout_s + grace)"
+                for name in unit.pending:
+                    causes[(ui, name)] = f"request for {unit.pending} got no answer within {wait_s:g} s (timeout_s + grace)"
                 continue
             except Exception as exc:  # noqa: BLE001 - replica died, bad payload...: retried per policy
-                for name in pending[ci]:
-                    causes[(ci, name)] = f"request failed: {type(exc).__name__}: {exc}"
+                for name in unit.pending:
+                    causes[(ui, name)] = f"request to {unit.app.name!r} failed: {type(exc).__name__}: {exc}"
                 continue
             for name, values in out["scores"].items():
-                scores[name][lo:hi] = values
-                pending[ci].remove(name)
+                scores[name][unit.lo : unit.hi] = values
+                unit.pending.remove(name)
             for name, seconds in out["timing"].items():
                 self.last_timing[name] = max(self.last_timing.get(name, 0.0), float(seconds))
             for name, cause in out["errors"].items():
-                causes[(ci, name)] = cause
+                causes[(ui, name)] = cause
 
-    def _apply_on_error(self, pending: dict, causes: dict, chunks: list) -> int:
-        failed = [(ci, name) for ci, todo in pending.items() for name in todo]
+    def _apply_on_error(self, units: list[_Unit], causes: dict) -> int:
+        failed = [(ui, name) for ui, u in enumerate(units) for name in u.pending]
         if not failed:
             return 0
         attempts = self.config.max_retries + 1
         if self.config.on_error == "fail":
-            ci, name = failed[0]
-            raise RewardError(name, f"{causes.get((ci, name), 'unknown error')} (after {attempts} attempt(s))")
-        for ci, name in failed:
-            lo, hi = chunks[ci]
+            ui, name = failed[0]
+            raise RewardError(name, f"{causes.get((ui, name), 'unknown error')} (after {attempts} attempt(s))")
+        for ui, name in failed:
+            unit = units[ui]
             logger.warning(
                 "reward %r skipped for %d sample(s) after %d attempt(s) (on_error='skip'): %s",
-                name, hi - lo, attempts, causes.get((ci, name), "unknown error"),
+                name, unit.hi - unit.lo, attempts, causes.get((ui, name), "unknown error"),
             )
         return len({name for _, name in failed})
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Delete the reward app (Serve itself keeps running for other apps)."""
-        _call_with_timeout(lambda: serve.delete(self.app_name), timeout_s, f"delete-{self.app_name}")
+        """Delete the reward app(s) (Serve itself keeps running for other apps)."""
+        for app in self.apps:
+            _call_with_timeout(lambda name=app.name: serve.delete(name), timeout_s, f"delete-{app.name}")
 
 
-def _failed_names(pending: Mapping[int, Sequence[str]]) -> list[str]:
-    return sorted({name for todo in pending.values() for name in todo})
+def _deploy_one(cfg: RewardConfig, app_name: str, http_port: int | None, ready_timeout_s: float) -> RewardApp:
+    """Run one ``RewardService`` app and wait until it answers; TimeoutError naming the resources."""
+    app = build_reward_app(cfg)
+    route = f"/{app_name}" if http_port is not None else None
+    try:
+        handle = _call_with_timeout(
+            lambda: serve.run(app, name=app_name, route_prefix=route), ready_timeout_s, f"deploy-{app_name}"
+        )
+    except TimeoutError:
+        _delete_quietly(app_name)
+        raise TimeoutError(
+            f"reward app {app_name!r} was not ready within {ready_timeout_s} s: it needs {cfg.num_replicas} "
+            f"replica(s) x {cfg.ray_actor_options}; check free resources with `ray status` (lower "
+            "ray_actor_options.num_cpus or the Train workers' CPUs) or raise ready_timeout_s"
+        ) from None
+    except Exception as exc:
+        raise RuntimeError(f"deploying reward app {app_name!r} failed: {exc}") from exc
+    handle.get_config.remote().result(timeout_s=ready_timeout_s)  # warm the handle's routing
+    return RewardApp(handle, cfg, app_name)
+
+
+def _failed_names(units: Sequence[_Unit]) -> list[str]:
+    return sorted({name for u in units for name in u.pending})
 
 
 def _delete_quietly(app_name: str) -> None:

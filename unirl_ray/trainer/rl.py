@@ -108,10 +108,7 @@ class RLTrainer(BaseTrainer):
         return bool(getattr(self.bundle_cfg, "is_demo", False))
 
     def extra_resources(self) -> dict[str, float]:
-        opts = self.reward_cfg.ray_actor_options or {}
-        need = {"CPU": float(opts.get("num_cpus", 1)) * self.reward_cfg.num_replicas}
-        if opts.get("num_gpus"):
-            need["GPU"] = float(opts["num_gpus"]) * self.reward_cfg.num_replicas
+        need = self.reward_cfg.resources()
         for key, value in (self.dedicated.resources() if self.dedicated else {}).items():
             need[key] = need.get(key, 0.0) + value
         return need

@@ -7,7 +7,8 @@ the driver before any worker starts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from unirl_ray.core.dtypes import TORCH_DTYPES
@@ -19,8 +20,11 @@ _DTYPES = tuple(TORCH_DTYPES)
 class FSDPConfig:
     """How the trainable module is sharded (FSDP2 ``fully_shard``)."""
 
-    fsdp_mode: Literal["full", "no_shard"] = "full"
-    """``full``: shard parameters over all ranks; ``no_shard``: replicate (plain DDP-like)."""
+    fsdp_mode: Literal["full", "hybrid", "no_shard"] = "full"
+    """``full``: shard parameters over all ranks; ``hybrid`` (HSDP): shard within groups of
+    ``hsdp_shard_size`` ranks and replicate across the groups; ``no_shard``: replicate (DDP-like)."""
+    hsdp_shard_size: int | None = None
+    """Ranks per shard group in ``hybrid`` mode; must divide the world size (only for ``hybrid``)."""
     param_dtype: str = "float32"
     """Compute dtype of parameters in forward/backward (mixed precision when not float32)."""
     reduce_dtype: str = "float32"
@@ -29,13 +33,43 @@ class FSDPConfig:
     """Free gathered parameters after each forward (less memory, more communication)."""
     activation_checkpointing: bool = False
     """Recompute block activations in backward to save memory."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (FSDP2
+    ``CPUOffloadPolicy``): the optimizer steps on CPU, parameters are copied to the device per use."""
 
     def __post_init__(self) -> None:
-        if self.fsdp_mode not in ("full", "no_shard"):
-            raise ValueError(f"FSDPConfig.fsdp_mode must be 'full' or 'no_shard', got {self.fsdp_mode!r}")
+        if self.fsdp_mode not in ("full", "hybrid", "no_shard"):
+            raise ValueError(
+                f"FSDPConfig.fsdp_mode must be 'full', 'hybrid' or 'no_shard', got {self.fsdp_mode!r}"
+            )
+        if self.fsdp_mode == "hybrid":
+            if self.hsdp_shard_size is None or int(self.hsdp_shard_size) < 1:
+                raise ValueError(
+                    "FSDPConfig.fsdp_mode='hybrid' needs hsdp_shard_size >= 1 (ranks per shard group, "
+                    f"e.g. the GPUs of one node), got {self.hsdp_shard_size!r}"
+                )
+        elif self.hsdp_shard_size is not None:
+            raise ValueError(
+                f"FSDPConfig.hsdp_shard_size={self.hsdp_shard_size} only applies to fsdp_mode='hybrid' "
+                f"(got fsdp_mode={self.fsdp_mode!r}); remove it or set fsdp_mode: hybrid"
+            )
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"FSDPConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+
+    def mesh_shape(self, world_size: int) -> tuple[int, ...]:
+        """Device-mesh shape for ``world_size`` ranks: ``(shard,)`` or ``(replicate, shard)``."""
+        if self.fsdp_mode == "full":
+            return (world_size,)
+        if self.fsdp_mode == "no_shard":  # HSDP with shard groups of one == replicate everything
+            return (world_size, 1)
+        shard = int(self.hsdp_shard_size)
+        if world_size % shard:
+            raise ValueError(
+                f"FSDPConfig.hsdp_shard_size={shard} does not divide the world size {world_size}: "
+                "every shard group must have the same number of ranks; pick a divisor of the world size"
+            )
+        return (world_size // shard, shard)
 
 
 @dataclass(kw_only=True)
@@ -60,6 +94,134 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
             raise ValueError("LoraConfig.target_modules is empty: name the modules that get adapters")
+
+
+_EMA_TIMINGS = ("rollout_end", "optimizer_step")
+
+
+def _check_adapter_name(owner: str, field_name: str, value: str) -> None:
+    if not value or "." in value:
+        raise ValueError(f"{owner}.{field_name} must be a non-empty name without dots, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class EmaLoraConfig:
+    """The NFT injection (DiffusionNFT): two LoRA adapters on the same modules, a trainable
+    ``default_adapter`` and a frozen ``shadow_adapter`` that holds the EMA of the trainable one.
+
+    The shadow is the "old" policy used for sampling (``FSDPBackend.shadow_policy()``). An EMA
+    update is ``shadow = decay * shadow + (1 - decay) * default`` (so decay 0 copies the trainable
+    adapter); ``decay(i)`` gives the decay of the i-th update (0-based count of updates applied so far).
+    Replaces ``LoraConfig``: do not set both.
+    """
+
+    rank: int = 8
+    """Adapter rank r (both adapters)."""
+    alpha: float = 16.0
+    """Scaling numerator (scale = alpha / rank)."""
+    dropout: float = 0.0
+    """Adapter dropout. Keep 0 for RL: non-zero breaks the exact pi_old == pi ratio at step start."""
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    """Module name patterns (peft semantics) that get both adapters."""
+    init_lora_weights: str | bool = True
+    """peft init scheme of the trainable adapter; the shadow starts as an exact copy of it."""
+    default_adapter: str = "default"
+    """Name of the trainable adapter (the one weight sync and export see)."""
+    shadow_adapter: str = "old"
+    """Name of the frozen EMA adapter."""
+    ema_decay_type: Literal["constant", "ramp"] = "ramp"
+    """``constant``: decay(i) = ema_decay; ``ramp``: decay(i) = min(ema_uprate * max(0, i - ema_flat_steps), ema_uphold)."""
+    ema_decay: float = 0.9
+    """Decay of every update when ema_decay_type is ``constant`` (in [0, 1])."""
+    ema_flat_steps: int = 0
+    """``ramp``: updates with index <= this use decay 0 (the shadow copies the trainable adapter)."""
+    ema_uprate: float = 0.001
+    """``ramp``: decay added per update after the flat phase."""
+    ema_uphold: float = 0.5
+    """``ramp``: ceiling of the decay (in [0, 1])."""
+    timing: Literal["rollout_end", "optimizer_step"] = "rollout_end"
+    """When the shadow is updated: once per train step (end of ``TrainStack.train``) or after every optimizer step."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"EmaLoraConfig.rank must be >= 1, got {self.rank}")
+        if not (0.0 <= self.dropout < 1.0):
+            raise ValueError(f"EmaLoraConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("EmaLoraConfig.target_modules is empty: name the modules that get adapters")
+        _check_adapter_name("EmaLoraConfig", "default_adapter", self.default_adapter)
+        _check_adapter_name("EmaLoraConfig", "shadow_adapter", self.shadow_adapter)
+        if self.default_adapter == self.shadow_adapter:
+            raise ValueError(
+                f"EmaLoraConfig.default_adapter and shadow_adapter are both {self.default_adapter!r}: "
+                "give the shadow adapter its own name (e.g. 'old')"
+            )
+        if self.ema_decay_type not in ("constant", "ramp"):
+            raise ValueError(f"EmaLoraConfig.ema_decay_type must be 'constant' or 'ramp', got {self.ema_decay_type!r}")
+        if self.timing not in _EMA_TIMINGS:
+            raise ValueError(f"EmaLoraConfig.timing must be one of {_EMA_TIMINGS}, got {self.timing!r}")
+        for name in ("ema_decay", "ema_uphold"):
+            if not (0.0 <= getattr(self, name) <= 1.0):
+                raise ValueError(f"EmaLoraConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.ema_uprate < 0 or not math.isfinite(self.ema_uprate):
+            raise ValueError(f"EmaLoraConfig.ema_uprate must be a finite number >= 0, got {self.ema_uprate}")
+        if self.ema_flat_steps < 0:
+            raise ValueError(f"EmaLoraConfig.ema_flat_steps must be >= 0, got {self.ema_flat_steps}")
+        defaults = {f.name: f.default for f in fields(self)}
+        unused = ("ema_flat_steps", "ema_uprate", "ema_uphold") if self.ema_decay_type == "constant" else ("ema_decay",)
+        changed = [n for n in unused if getattr(self, n) != defaults[n]]
+        if changed:
+            warnings.warn(
+                f"EmaLoraConfig: {changed} are ignored with ema_decay_type={self.ema_decay_type!r}", stacklevel=2
+            )
+
+    def decay(self, update_index: int) -> float:
+        """Decay of the EMA update number ``update_index`` (0-based)."""
+        if self.ema_decay_type == "constant":
+            return float(self.ema_decay)
+        return float(min(self.ema_uprate * max(0, update_index - self.ema_flat_steps), self.ema_uphold))
+
+    def lora(self) -> LoraConfig:
+        """The adapter shape as a ``LoraConfig`` (what each of the two adapters is injected with)."""
+        return LoraConfig(
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            init_lora_weights=self.init_lora_weights,
+        )
+
+
+@dataclass(kw_only=True)
+class EmaFullConfig:
+    """Mirror EMA: a shadow copy of every trainable parameter (adapter weights only with LoRA),
+    sharded exactly like its parameter, for evaluation and export (``FSDPBackend.ema_weights()``).
+
+    An update is ``shadow = decay * shadow + (1 - decay) * param``; ``decay(i)`` gives the decay of
+    the i-th update (0-based).
+    """
+
+    target_decay: float = 0.9999
+    """Decay once warmed up (in [0, 1])."""
+    decay_warmup: bool = True
+    """Use decay(i) = min(target_decay, (1 + i) / (10 + i)) so early updates track the fast-moving weights."""
+    timing: Literal["rollout_end", "optimizer_step"] = "optimizer_step"
+    """When the shadow is updated: after every optimizer step, or once per train step."""
+    shadow_prefix: str = "shadow_"
+    """Prefix of the shadow's leaf name: parameter ``a.b.weight`` has shadow ``a.b.shadow_weight`` in checkpoints."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.target_decay <= 1.0):
+            raise ValueError(f"EmaFullConfig.target_decay must be in [0, 1], got {self.target_decay}")
+        if self.timing not in _EMA_TIMINGS:
+            raise ValueError(f"EmaFullConfig.timing must be one of {_EMA_TIMINGS}, got {self.timing!r}")
+        _check_adapter_name("EmaFullConfig", "shadow_prefix", self.shadow_prefix)
+
+    def decay(self, update_index: int) -> float:
+        """Decay of the EMA update number ``update_index`` (0-based)."""
+        if self.decay_warmup:
+            return float(min(self.target_decay, (1 + update_index) / (10 + update_index)))
+        return float(self.target_decay)
 
 
 @dataclass(kw_only=True)

@@ -2,8 +2,8 @@
 
 For each rollout shard: ``prepare_segment`` (freeze pi_old once) -> ``num_updates_per_batch``
 epochs over disjoint, shuffled mini-batches -> per mini-batch, ``compute_loss_and_backward`` on
-each micro-batch, then one ``optimizer_step`` -> a ``TrainStepResult`` with metrics averaged over
-micro-batches and ranks.
+each micro-batch, then one ``optimizer_step`` -> the ``rollout_end`` EMA update of the backend
+(``FSDPBackend.update_ema``) -> a ``TrainStepResult`` with metrics averaged over micro-batches and ranks.
 
 Every rank must run the same number of forward/backward calls (FSDP2 collectives), so shards are
 equal-sized and the mini-batch layout depends only on the shard size and the step seed.
@@ -69,6 +69,13 @@ class TrainStack:
                 f"stack.num_updates_per_batch={num_updates_per_batch} but {type(algorithm).__name__} does not "
                 "support multiple updates per rollout batch; set it to 1"
             )
+        if getattr(algorithm, "needs_shadow_policy", False) and fsdp_backend is not None and (
+            getattr(fsdp_backend, "ema_lora_cfg", None) is None
+        ):
+            raise ValueError(
+                f"{type(algorithm).__name__} needs the old policy of an EMA shadow adapter: set backend.ema_lora_cfg "
+                "(unirl_ray.train.configs.EmaLoraConfig)"
+            )
         self.backend = fsdp_backend
         self.algorithm = algorithm
         self.policy_version = 0
@@ -102,8 +109,10 @@ class TrainStack:
                 n_opt += 1
                 for k, v in step.items():
                     opt_metrics[k] = opt_metrics.get(k, 0.0) + v
+        ema_metrics = self.backend.update_ema(timing="rollout_end")  # the NFT "old" adapter moves once per step
         self.policy_version += 1
         metrics = self._reduce(sums, opt_metrics, n_opt)
+        metrics.update(ema_metrics)
         metrics["timing/train_step"] = time.perf_counter() - t0
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return TrainStepResult(
@@ -118,11 +127,13 @@ class TrainStack:
         n_micro = (len(batch) + micro - 1) // micro
         sums: dict[str, float] = {}
         reference = self.backend.reference if self.algorithm.needs_reference else None
+        shadow = self.backend.shadow_policy if getattr(self.backend, "adapter_ema", None) is not None else None
         global_units, world = self._global_units(batch)
         for start in range(0, len(batch), micro):
             ctx = LossContext(
                 policy=self.backend.module,
                 reference=reference,
+                shadow_policy=shadow,
                 loss_scale=1.0 / n_micro,
                 first_pass=first_pass,
                 global_units=global_units,

@@ -85,3 +85,12 @@ def load(state: dict[str, Any], directory: str) -> None:
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
         raise ValueError(f"checkpoint shards at {directory} are unreadable or unsafe: {exc}") from exc
     dcp.load(state, storage_reader=reader)
+
+
+def stored_keys(directory: str) -> set[str]:
+    """Flattened keys (``"model.blocks.0.weight"``) of the tensors a checkpoint holds."""
+    try:
+        metadata = SafeFileSystemReader(directory).read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
+        raise ValueError(f"checkpoint shards at {directory} are unreadable or unsafe: {exc}") from exc
+    return set(metadata.state_dict_metadata)

@@ -1,10 +1,17 @@
 """``FSDPBackend``: owns the trainable model on a train rank.
 
 Order of construction (``setup``), as the seed prescribes: pick the trainable module from the
-bundle, structural injection (LoRA via peft) with the same seed on every rank, a frozen reference
-copy when the algorithm needs one, FSDP2 ``fully_shard`` on every configured block class then on
-the root, then the optimizer and LR schedule. Without an initialised process group (a single
-process, e.g. unit tests or the bare benchmark) the module is used unwrapped.
+bundle; structural injection with the same seed on every rank (LoRA, or the NFT adapter pair of
+``EmaLoraConfig``; the mirror-EMA plan of ``EmaFullConfig``); a frozen reference copy when the
+algorithm needs one and no adapter can be switched off; FSDP2 ``fully_shard`` on every configured
+block class then on the root; the mirror-EMA shadows (cloned from the shards); then the optimizer
+and LR schedule. Without an initialised process group (a single process, e.g. unit tests or the
+bare benchmark) the module is used unwrapped.
+
+Besides training, the backend switches weights for sampling and evaluation (``reference``,
+``shadow_policy``, ``ema_weights``), hands its device memory to a colocated engine and takes it
+back (``offload`` / ``onload``), and saves / restores everything an exact resume needs (``save`` /
+``load``: weights, optimizer, EMA shadows, per-rank RNG states, schedule).
 """
 
 from __future__ import annotations
@@ -19,10 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from unirl_ray.core.dtypes import TORCH_DTYPES
-from unirl_ray.train.backend import dcp_io
-from unirl_ray.train.backend.lora import inject_lora
+from unirl_ray.train.backend import checkpoint, dcp_io
+from unirl_ray.train.backend.ema import AdapterEma, MirrorEma, exchange_, local
+from unirl_ray.train.backend.lora import inject_lora, tuner_layers
+from unirl_ray.train.backend.offload import StorageOffloader
+from unirl_ray.train.backend.wrap import apply_fsdp, build_mesh, fsdp_modules, reshard_all
 from unirl_ray.train.configs import (
+    EmaFullConfig,
+    EmaLoraConfig,
     FSDPConfig,
     LoraConfig,
     LrSchedulerConfig,
@@ -32,10 +43,18 @@ from unirl_ray.train.configs import (
 
 log = logging.getLogger(__name__)
 
+_CONFIG_TYPES = {
+    "fsdp_cfg": FSDPConfig,
+    "optimizer_cfg": OptimizerConfig,
+    "lr_scheduler_cfg": LrSchedulerConfig,
+    "lora_cfg": LoraConfig,
+    "ema_lora_cfg": EmaLoraConfig,
+    "ema_full_cfg": EmaFullConfig,
+}
 
 
 class FSDPBackend:
-    """The trainable model, its optimizer / schedule, and its checkpoint."""
+    """The trainable model, its optimizer / schedule, its EMA shadows, and its checkpoint."""
 
     def __init__(
         self,
@@ -46,17 +65,35 @@ class FSDPBackend:
         optimizer_cfg: OptimizerConfig | None = None,
         lr_scheduler_cfg: LrSchedulerConfig | None = None,
         lora_cfg: LoraConfig | None = None,
+        ema_lora_cfg: EmaLoraConfig | None = None,
+        ema_full_cfg: EmaFullConfig | None = None,
         seed: int = 0,
         bundle: Any = None,
     ) -> None:
         if not block_class_names:
             raise ValueError("FSDPBackend.block_class_names is empty: name the transformer block class(es) to shard")
+        configs = dict(fsdp_cfg=fsdp_cfg, optimizer_cfg=optimizer_cfg, lr_scheduler_cfg=lr_scheduler_cfg,
+                       lora_cfg=lora_cfg, ema_lora_cfg=ema_lora_cfg, ema_full_cfg=ema_full_cfg)
+        for name, value in configs.items():
+            if value is not None and not isinstance(value, _CONFIG_TYPES[name]):
+                cls = _CONFIG_TYPES[name]
+                raise ValueError(
+                    f"FSDPBackend.{name} must be a {cls.__name__} (in a recipe: _target_: {cls.__module__}.{cls.__name__}), "
+                    f"got {type(value).__name__}"
+                )
+        if lora_cfg is not None and ema_lora_cfg is not None:
+            raise ValueError(
+                "FSDPBackend got both lora_cfg and ema_lora_cfg: EmaLoraConfig already injects the LoRA adapters "
+                "(a trainable one and its EMA shadow). Drop lora_cfg and put rank/alpha/target_modules in ema_lora_cfg."
+            )
         self.block_class_names = list(block_class_names)
         self.trainable_attr = trainable_attr
         self.fsdp_cfg = fsdp_cfg or FSDPConfig()
         self.optimizer_cfg = optimizer_cfg or OptimizerConfig()
         self.lr_scheduler_cfg = lr_scheduler_cfg or LrSchedulerConfig()
         self.lora_cfg = lora_cfg
+        self.ema_lora_cfg = ema_lora_cfg
+        self.ema_full_cfg = ema_full_cfg
         self.seed = seed
         self.bundle = bundle
         self.module: nn.Module | None = None
@@ -66,6 +103,10 @@ class FSDPBackend:
         self.optimizer_steps = 0
         self.topology = TrainTopology()
         self.device = torch.device("cpu")
+        self.adapter_ema: AdapterEma | None = None
+        self.mirror_ema: MirrorEma | None = None
+        self._offloader: StorageOffloader | None = None
+        self._ema_swapped = False
 
     # ------------------------------------------------------------------ setup
     def setup(self, *, topology: TrainTopology, device: torch.device, needs_reference: bool = False) -> None:
@@ -77,27 +118,49 @@ class FSDPBackend:
             raise ValueError(
                 f"FSDPBackend.trainable_attr={self.trainable_attr!r}: the bundle has no nn.Module attribute by that name"
             )
-        self.topology, self.device = topology, device
+        self.topology, self.device = topology, torch.device(device)
         self._check_block_classes(module)
         module.to(device)
         module.requires_grad_(False)
-        if needs_reference and self.lora_cfg is None:
+        if needs_reference and not self._has_adapters:
             self.reference_module = copy.deepcopy(module).eval()
         torch.manual_seed(self.seed)  # identical adapter init on every rank
         if self.lora_cfg is not None:
-            self._inject_lora(module)
+            inject_lora(module, self.lora_cfg)
+        elif self.ema_lora_cfg is not None:
+            self.adapter_ema = AdapterEma.inject(module, self.ema_lora_cfg)
         else:
             module.requires_grad_(True)
+        module.to(device)
+        if self.ema_full_cfg is not None:
+            self.mirror_ema = MirrorEma.plan(module, self.ema_full_cfg)
         if self._distributed:
-            self._shard(module)
-            if self.reference_module is not None:
-                self._shard(self.reference_module)
+            mesh = build_mesh(self.fsdp_cfg, self.device)
+            for m in (module, self.reference_module):
+                if m is not None:
+                    apply_fsdp(m, cfg=self.fsdp_cfg, mesh=mesh, device=self.device, block_class_names=self.block_class_names)
+        elif self.fsdp_cfg.cpu_offload:
+            log.warning("FSDPConfig.cpu_offload is ignored: no process group, the module is used unsharded on %s", device)
         self.module = module
+        if self.mirror_ema is not None:
+            self.mirror_ema.materialize(module)
+        self._offloader = StorageOffloader(self.device)
+        for m in (module, self.reference_module):
+            if m is not None:
+                m.register_forward_pre_hook(self._refuse_when_offloaded, prepend=True)
         self._build_optimizer()
 
     @property
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank() if self._distributed else 0
+
+    @property
+    def _has_adapters(self) -> bool:
+        return self.lora_cfg is not None or self.ema_lora_cfg is not None
 
     def _check_block_classes(self, module: nn.Module) -> None:
         present = {type(m).__name__ for m in module.modules()}
@@ -110,31 +173,6 @@ class FSDPBackend:
                 f"FSDPBackend.block_class_names {missing} not found in {type(module).__name__}; "
                 f"closest classes in the model: {hints}. Set backend.block_class_names to the model's block class."
             )
-
-    def _inject_lora(self, module: nn.Module) -> None:
-        inject_lora(module, self.lora_cfg)
-        module.to(self.device)
-
-    def _shard(self, module: nn.Module) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        cfg = self.fsdp_cfg
-        mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.param_dtype], reduce_dtype=TORCH_DTYPES[cfg.reduce_dtype])
-        world = dist.get_world_size()
-        if cfg.fsdp_mode == "no_shard":  # HSDP with shard size 1 == replicate everything
-            mesh = init_device_mesh(self.device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("shard",))
-        kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-        blocks = [m for m in module.modules() if type(m).__name__ in self.block_class_names]
-        for block in blocks:
-            if cfg.activation_checkpointing:
-                from torch.distributed._composable import checkpoint
-
-                checkpoint(block)
-            fully_shard(block, **kwargs)
-        fully_shard(module, **kwargs)
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -157,10 +195,10 @@ class FSDPBackend:
     @contextlib.contextmanager
     def reference(self) -> Iterator[nn.Module]:
         """The frozen reference policy: adapters disabled (LoRA) or the initial copy (full)."""
-        if self.lora_cfg is not None:
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            layers = [m for m in self.module.modules() if isinstance(m, BaseTunerLayer)]
+        self._require_onloaded("reference()")
+        if self._has_adapters:
+            layers = tuner_layers(self.module)
+            flags = [(p, p.requires_grad) for p in self.module.parameters()]
             for layer in layers:
                 layer.enable_adapters(False)
             try:
@@ -168,6 +206,9 @@ class FSDPBackend:
             finally:
                 for layer in layers:
                     layer.enable_adapters(True)
+                for p, flag in flags:  # peft re-marks the active adapter trainable; keep what trains
+                    if p.requires_grad != flag:
+                        p.requires_grad_(flag)
         elif self.reference_module is not None:
             yield self.reference_module
         else:
@@ -181,9 +222,8 @@ class FSDPBackend:
         weights again every time. Every sharded module is resharded on exit (the root's reshard
         does not reach its blocks).
         """
-        from torch.distributed.fsdp import FSDPModule
-
-        sharded = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        self._require_onloaded("sampling()")
+        sharded = fsdp_modules(self.module)
         for m in sharded:
             m.set_reshard_after_forward(False)
         try:
@@ -197,7 +237,9 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self, max_grad_norm: float | None) -> dict[str, float]:
-        """Clip, step, advance the schedule; returns ``grad_norm`` (pre-clip) and ``lr``."""
+        """Clip, step, advance the schedule (and an EMA timed per optimizer step); returns
+        ``grad_norm`` (pre-clip) and ``lr``."""
+        self._require_live_weights("optimizer_step()")
         params = list(self.trainable_parameters())
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_grad_norm or float("inf"))
         if hasattr(norm, "full_tensor"):
@@ -207,33 +249,156 @@ class FSDPBackend:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
+        self.update_ema(timing="optimizer_step")
         return {"grad_norm": float(norm), "lr": float(lr)}
+
+    # -------------------------------------------------------------------- EMA
+    def update_ema(self, *, timing: str) -> dict[str, float]:
+        """Apply the EMA updates configured with this ``timing`` (``rollout_end``: once per train
+        step, called by ``TrainStack.train``; ``optimizer_step``: by ``optimizer_step``).
+        Returns the decays used, e.g. ``{"train/ema_lora_decay": 0.001}``."""
+        if timing not in ("rollout_end", "optimizer_step"):
+            raise ValueError(f"update_ema(timing=...) must be 'rollout_end' or 'optimizer_step', got {timing!r}")
+        out: dict[str, float] = {}
+        for key, ema in (("lora", self.adapter_ema), ("full", self.mirror_ema)):
+            if ema is not None and ema.cfg.timing == timing:
+                self._require_live_weights("update_ema()")
+                out[f"train/ema_{key}_decay"] = ema.update()
+        return out
+
+    @contextlib.contextmanager
+    def shadow_policy(self) -> Iterator[nn.Module]:
+        """The NFT "old" policy: forwards inside use the shadow (EMA) adapter, the trainable
+        adapter again after. Switches the active adapter only; no weight moves."""
+        if self.adapter_ema is None:
+            raise ValueError("shadow_policy() needs the NFT adapter pair: set backend.ema_lora_cfg (EmaLoraConfig)")
+        self._require_onloaded("shadow_policy()")
+        with self.adapter_ema.shadow_active() as module:
+            yield module
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[nn.Module]:
+        """Evaluate or export with the EMA weights: inside, the trainable weights of the live module
+        hold the EMA values (the mirror EMA when configured, else the NFT shadow adapter); on exit
+        they are swapped back exactly. Swaps local shards in place (no communication); gathered
+        copies are dropped on entry and exit so forwards see the swapped shards."""
+        ema = self.mirror_ema or self.adapter_ema
+        if ema is None:
+            raise ValueError("ema_weights() needs an EMA: set backend.ema_full_cfg (EmaFullConfig) or backend.ema_lora_cfg")
+        self._require_live_weights("ema_weights()")
+        pairs = ema.pairs()
+        reshard_all(self.module)
+        exchange_(pairs)
+        self._ema_swapped = True
+        try:
+            yield self.module
+        finally:
+            reshard_all(self.module)
+            exchange_(pairs)
+            self._ema_swapped = False
+
+    # --------------------------------------------------------- onload/offload
+    def offloaded(self) -> bool:
+        """True while the backend's device memory is handed back (between offload and onload)."""
+        return self._offloader is not None and self._offloader.offloaded
+
+    def offload(self) -> int:
+        """Free this rank's device memory for a colocated engine: parameters (frozen ones too),
+        gradients, optimizer state, EMA shadows and buffers are copied to host memory and their
+        device storages released. Returns the bytes freed (0 when already offloaded)."""
+        if self.offloaded():
+            return 0
+        reshard_all(self.module)
+        if self.reference_module is not None:
+            reshard_all(self.reference_module)
+        return self._offloader.offload(self._device_tensors())
+
+    def onload(self) -> int:
+        """Bring everything ``offload`` moved back onto the device, bit for bit. Returns the bytes restored."""
+        return self._offloader.onload() if self._offloader is not None else 0
+
+    def device_bytes(self) -> int:
+        """Bytes of the distinct device storages the train state (parameters, gradients, optimizer
+        state, EMA shadows, buffers) currently holds on this rank's device."""
+        seen: dict[int, int] = {}
+        for tensor in self._device_tensors():
+            if tensor is None:
+                continue
+            t = local(tensor)
+            if t.device == self.device:
+                storage = t.untyped_storage()
+                seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return sum(seen.values())
+
+    def _device_tensors(self) -> Iterator[torch.Tensor | None]:
+        for m in (self.module, self.reference_module):
+            if m is None:
+                continue
+            for p in m.parameters():
+                yield p
+                yield p.grad
+            yield from m.buffers()
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        if self.mirror_ema is not None:
+            yield from self.mirror_ema.shadow.values()
+
+    def _require_onloaded(self, what: str) -> None:
+        if self.offloaded():
+            raise RuntimeError(f"FSDPBackend is offloaded (backend.offload()): call backend.onload() before {what}")
+
+    def _require_live_weights(self, what: str) -> None:
+        self._require_onloaded(what)
+        if self._ema_swapped:
+            raise RuntimeError(f"{what} inside ema_weights(): the live weights are swapped out; leave the block first")
+
+    def _refuse_when_offloaded(self, module: nn.Module, args: Any) -> None:
+        self._require_onloaded(f"a forward of {type(module).__name__}")
 
     # ------------------------------------------------------------- checkpoint
     def _dcp_state(self) -> dict[str, Any]:
+        """Tensor state in DCP form: trainable weights (+ NFT shadow adapter), optimizer state,
+        mirror-EMA shadows, and this rank's RNG states under its own key."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        options = StateDictOptions(ignore_frozen_params=True)
-        model = get_model_state_dict(self.module, options=options)
-        model = {k: v for k, v in model.items() if k in self._trainable_names()}
-        optim = get_optimizer_state_dict(self.module, self.optimizer, options=options)
-        return {"model": model, "optim": optim["state"]}
+        # Frozen parameters are kept here only to pick the shadow adapter out; sharded state dicts
+        # hold references, not gathered copies, so this costs nothing.
+        model = get_model_state_dict(self.module, options=StateDictOptions(ignore_frozen_params=False))
+        names = self._trainable_names() | (self.adapter_ema.shadow_names() if self.adapter_ema else set())
+        state: dict[str, Any] = {"model": {k: v for k, v in model.items() if k in names}}
+        optim = get_optimizer_state_dict(self.module, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        state["optim"] = optim["state"]
+        if self.mirror_ema is not None:
+            state["ema"] = dict(self.mirror_ema.shadow)
+        state["rng"] = {checkpoint.rng_key(self._rank): checkpoint.rng_state(self.device)}
+        return state
 
     def _trainable_names(self) -> set[str]:
         return {name for name, p in self.module.named_parameters() if p.requires_grad}
 
     def save(self, directory: str) -> dict[str, Any]:
         """Collective: write this rank's DCP shards; returns small JSON-able backend state."""
+        self._require_live_weights("save()")
         os.makedirs(directory, exist_ok=True)
         dcp_io.save(self._dcp_state(), directory)
-        return {"optimizer_steps": self.optimizer_steps, "scheduler_last_epoch": self.scheduler.last_epoch}
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "scheduler_last_epoch": self.scheduler.last_epoch,
+            "scheduler": checkpoint.scheduler_state(self.scheduler),
+            "ema_updates": {
+                "lora": self.adapter_ema.updates if self.adapter_ema else None,
+                "full": self.mirror_ema.updates if self.mirror_ema else None,
+            },
+            "world_size": dist.get_world_size() if self._distributed else 1,
+        }
 
     def load(self, directory: str, meta: dict[str, Any]) -> None:
-        """Collective: restore model + optimizer shards (any world size) and the schedule."""
+        """Collective: restore weights, optimizer, EMA shadows (any world size, DCP reshards), this
+        rank's RNG states (when the checkpoint has this rank's) and the schedule."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
@@ -241,35 +406,39 @@ class FSDPBackend:
             set_optimizer_state_dict,
         )
 
-        self._init_optimizer_state()
+        self._require_live_weights("load()")
+        checkpoint.init_adamw_state(self.optimizer)
         state = self._dcp_state()
+        shadow_names = self.adapter_ema.shadow_names() if self.adapter_ema else set()
+        restart = checkpoint.drop_absent(state, dcp_io.stored_keys(directory), rank=self._rank, adapter_shadow=shadow_names)
         dcp_io.load(state, directory)
-        options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        options = StateDictOptions(ignore_frozen_params=False, strict=False)
         set_model_state_dict(self.module, state["model"], options=options)
-        full = get_optimizer_state_dict(self.module, self.optimizer, options=options)
+        optim_options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        full = get_optimizer_state_dict(self.module, self.optimizer, options=optim_options)
         full["state"] = state["optim"]
-        set_optimizer_state_dict(self.module, self.optimizer, full, options=options)
+        set_optimizer_state_dict(self.module, self.optimizer, full, options=optim_options)
         self.optimizer_steps = int(meta["optimizer_steps"])
-        self.scheduler.last_epoch = int(meta["scheduler_last_epoch"])
-        for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base_lr * self.lr_scheduler_cfg.factor(self.scheduler.last_epoch)
-
-    def _init_optimizer_state(self) -> None:
-        """Materialise AdamW's lazily created state (zeros) so DCP has tensors to load into."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p in self.optimizer.state and self.optimizer.state[p]:
-                    continue
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
+        checkpoint.load_scheduler_state(self.scheduler, meta, self.lr_scheduler_cfg.factor)
+        updates = meta.get("ema_updates") or {}
+        for key, ema in (("lora", self.adapter_ema), ("full", self.mirror_ema)):
+            if ema is None:
+                continue
+            if key in restart:
+                log.warning("checkpoint %s has no %s EMA shadow: the EMA restarts from the loaded weights", directory, key)
+                ema.updates = 0
+                ema.reset_to_live()
+            else:
+                ema.updates = int(updates.get(key) or 0)
+        if "rng" in state:
+            checkpoint.set_rng_state(state["rng"][checkpoint.rng_key(self._rank)], self.device)
 
     def full_trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the full (unsharded) trainable weights on rank 0, CPU; ``{}`` elsewhere."""
+        """Collective: the full (unsharded) trainable weights on rank 0, CPU; ``{}`` elsewhere.
+        Inside ``ema_weights()`` these are the EMA weights (same names)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        self._require_onloaded("full_trainable_state_dict()")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         state = get_model_state_dict(self.module, options=options)
         names = self._trainable_names()

@@ -1,0 +1,72 @@
+"""FSDP2 wrap of a module, in a fixed order: activation checkpointing, then ``fully_shard`` on
+every block, then on the root (which takes the leftover parameters: embeddings, norms, heads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from unirl_ray.core.dtypes import TORCH_DTYPES
+from unirl_ray.train.configs import FSDPConfig
+
+
+def build_mesh(cfg: FSDPConfig, device: torch.device) -> Any:
+    """The device mesh of ``cfg.fsdp_mode`` over the current process group.
+
+    1-D ``("shard",)`` for ``full``; 2-D ``("replicate", "shard")`` for ``hybrid`` (HSDP) and for
+    ``no_shard`` (HSDP with shard groups of one rank).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = cfg.mesh_shape(dist.get_world_size())  # raises ValueError on a bad hsdp_shard_size
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def fsdp_kwargs(cfg: FSDPConfig, mesh: Any, device: torch.device) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[cfg.param_dtype], reduce_dtype=TORCH_DTYPES[cfg.reduce_dtype])
+    kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    if cfg.cpu_offload:
+        # Pinned host memory needs a CUDA runtime; on a CPU-only machine plain memory is the only kind.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return kwargs
+
+
+def apply_fsdp(module: nn.Module, *, cfg: FSDPConfig, mesh: Any, device: torch.device, block_class_names: list[str]) -> None:
+    """Shard ``module`` in place: each block of a class in ``block_class_names``, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = fsdp_kwargs(cfg, mesh, device)
+    blocks = [m for m in module.modules() if type(m).__name__ in block_class_names]
+    for block in blocks:
+        if cfg.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            checkpoint(block)
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+
+
+def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    """Every sharded module (the root's ``reshard()`` does not reach its blocks)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Free every gathered (unsharded) parameter, so the next forward gathers the shards again."""
+    for m in fsdp_modules(module):
+        m.reshard()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (a view sharing its storage); the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

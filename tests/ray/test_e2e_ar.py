@@ -36,7 +36,10 @@ def assert_learned(trainer, steps):
 
 
 def test_direct_rollout_learns_and_logs_text(ray_local, tmp_path):
-    trainer = make(tmp_path, "char_grpo_direct.yaml", "direct", "trainer.num_steps=20", "tracking.log_samples_every=10")
+    trainer = make(
+        tmp_path, "char_grpo_direct.yaml", "direct", "trainer.num_steps=20", "tracking.log_samples_every=10",
+        f"+trainer.export_dir={tmp_path / 'export'}", "+trainer.export_register_as=char-lm",
+    )
     trainer.fit()
     assert_learned(trainer, 20)
     assert max(history(trainer, "rollout/logp_gap")) < 1e-4  # on-policy: trainer == rollout log-probs
@@ -44,6 +47,48 @@ def test_direct_rollout_learns_and_logs_text(ray_local, tmp_path):
         assert history(trainer, key), key
     artifacts = [a.path for a in MlflowClient(trainer.tracker.tracking_uri).list_artifacts(trainer.tracker.run_id, "samples")]
     assert any(a.endswith("step_000010.json") for a in artifacts), artifacts
+    assert_exported(trainer, str(tmp_path / "export"), str(tmp_path / "after_fit"))
+
+
+def assert_exported(trainer, at_end, after_fit):
+    """trainer.export_dir wrote the trained model at the end of fit() and registered it; export() after
+    fit() restarts the workers from the last checkpoint and writes the same weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig
+    from unirl_ray.models.causal_lm.tokenizer import CHAR_VOCAB, SPECIAL_TOKENS
+    from unirl_ray.train.export import ExportInfo
+
+    info = ExportInfo.read(at_end)
+    assert info.policy_version == history(trainer, "train/policy_version")[-1] > 0
+    trained = AutoModelForCausalLM.from_pretrained(info.model_path)
+    initial = CausalLMBundle.from_config(CausalLMConfig()).model
+    ids = torch.tensor([chat_prompt_ids("write a word")])
+    a_id = len(SPECIAL_TOKENS) + CHAR_VOCAB.index("a")
+    with torch.no_grad():
+        p_trained, p_initial = (m(input_ids=ids).logits[0, -1].softmax(-1)[a_id] for m in (trained, initial))
+    assert p_trained > p_initial + 0.05, (p_trained, p_initial)  # the reward (fraction of "a") was learned
+
+    client = MlflowClient(trainer.tracker.tracking_uri)
+    version = client.get_model_version("char-lm", "1")
+    assert version.run_id == trainer.tracker.run_id
+    assert client.get_logged_model(version.tags["unirl.logged_model_id"]).artifact_location == version.source
+
+    assert trainer.export(after_fit) == after_fit
+    again = load_file(f"{after_fit}/model.safetensors")
+    for key, value in load_file(f"{at_end}/model.safetensors").items():
+        assert torch.equal(again[key], value), key
+
+
+def chat_prompt_ids(prompt):
+    """Token ids of a chat prompt of the char task, as the pipeline renders it."""
+    from unirl_ray.models.causal_lm import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 def test_dedicated_engine_syncs_versions_and_survives_a_replica_kill(ray_local, tmp_path):

@@ -106,6 +106,9 @@ def test_bundle_save_and_load_from_folder(bundle, tmp_path):
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == (
         "<|bos|><|user|>x<|end|>"
     )
+    text = "two words\nand a line"  # whitespace survives (AutoTokenizer alone would pick a byte-level BPE)
+    assert loaded.tokenizer(text)["input_ids"] == bundle.tokenizer(text)["input_ids"]
+    assert loaded.tokenizer.decode(loaded.tokenizer(text)["input_ids"]) == text
 
 
 # ----------------------------------------------------------------------------------------------- sampling

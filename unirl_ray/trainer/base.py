@@ -39,6 +39,12 @@ class RunConfig:
     """Root folder (or URI) of checkpoints, the local MLflow store and run files."""
     checkpoint_every: int = 10
     """Save a checkpoint every N steps (and always after the last step)."""
+    export_dir: str | None = None
+    """After the last step, write the trained model here as a ``from_pretrained`` folder (replacing an earlier export)."""
+    export_merge_lora: bool = True
+    """With LoRA: merge the adapters into the exported weights; false writes base weights + a PEFT adapter."""
+    export_register_as: str | None = None
+    """Also log the export to the MLflow run and register it as a new version of this registered model."""
 
     def __post_init__(self) -> None:
         if not self.run_name or any(c in self.run_name for c in "/\\ "):
@@ -49,6 +55,21 @@ class RunConfig:
             raise ValueError(f"trainer.checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if "://" not in self.storage_path:
             self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
+        self._check_export_options()
+
+    def _check_export_options(self) -> None:
+        from unirl_ray.train.export import check_export_dir, is_previous_export
+
+        if self.export_dir is None:
+            if self.export_register_as is not None:
+                raise ValueError("trainer.export_register_as needs trainer.export_dir (the folder to export and register)")
+            if not self.export_merge_lora:
+                log.warning("trainer.export_merge_lora=false is ignored: trainer.export_dir is not set")
+            return
+        # an earlier export of this folder (a finished run started again) is replaced; anything else is refused
+        self.export_dir = check_export_dir(self.export_dir, overwrite=is_previous_export(self.export_dir))
+        if self.export_register_as is not None and not str(self.export_register_as).strip():
+            raise ValueError("trainer.export_register_as must be a registered model name or null")
 
 
 def _event_loop_running() -> bool:
@@ -124,6 +145,7 @@ class BaseTrainer(ABC):
         status = "FAILED"
         try:
             last = self.run_steps(self.setup())
+            self.export_at_end()
             status = "FINISHED"
             return last
         except KeyboardInterrupt:
@@ -207,6 +229,100 @@ class BaseTrainer(ABC):
         path = self.group.save(step, self.controller_state())
         self.tracker.log_metrics({"timing/checkpoint": time.perf_counter() - t0}, step=step)
         return path
+
+    # ----------------------------------------------------------------- export
+    def export_at_end(self) -> None:
+        """``trainer.export_dir``: export (and register) the final model while the workers are up."""
+        cfg = self.run_cfg
+        if cfg.export_dir is None:
+            return
+        from unirl_ray.train.export import is_previous_export
+
+        self.export(
+            cfg.export_dir,
+            merge_lora=cfg.export_merge_lora,
+            register_model_name=cfg.export_register_as,
+            overwrite=is_previous_export(cfg.export_dir),
+        )
+
+    def export(
+        self,
+        directory: str,
+        *,
+        merge_lora: bool = True,
+        register_model_name: str | None = None,
+        overwrite: bool = False,
+    ) -> str:
+        """Write the trained model as a ``from_pretrained`` folder; returns its absolute path.
+
+        While the workers are up (during ``fit``, e.g. via ``trainer.export_dir``, or between
+        ``setup`` and ``teardown``) the live weights are exported. Afterwards (e.g. after ``fit``
+        returned) the workers are started once more from the run's latest checkpoint, export, and
+        stop. Train rank 0 writes the folder (see ``unirl_ray.train.export``): on a multi-node
+        cluster use a shared path. With LoRA, ``merge_lora=False`` writes the base weights plus the
+        adapter in PEFT format under ``lora_adapter/``. ``register_model_name`` logs the folder to
+        the run's MLflow logged models and registers it as a new version of that registered model.
+        """
+        from unirl_ray.train.export import check_export_dir, register_exported_model
+
+        path = check_export_dir(directory, overwrite=overwrite)
+        if register_model_name is not None:
+            if not isinstance(register_model_name, str) or not register_model_name.strip():
+                raise ValueError(f"register_model_name must be a non-empty string or None, got {register_model_name!r}")
+            if not self.tracking_cfg.enabled:
+                raise ValueError("register_model_name needs MLflow tracking: set tracking.enabled=true")
+        payload = {"directory": path, "merge_lora": bool(merge_lora), "overwrite": bool(overwrite)}
+        t0 = time.perf_counter()
+        if self._group_running():
+            info, run_id = self.group.call("export", payload)[0], self.tracker.run_id
+        else:
+            info, run_id = self._export_from_checkpoint(payload)
+        console(f"exported the trained model (policy version {info.policy_version}) to {path} "
+                f"in {time.perf_counter() - t0:.1f}s; load it with from_pretrained({info.model_path!r})")
+        if register_model_name is not None:
+            if not run_id:
+                raise ValueError(f"no MLflow run of {self.run_cfg.run_name!r} to register the model in")
+            from unirl_ray.tracking.mlflow_tracker import resolve_tracking_uri
+
+            uri = self.tracker.tracking_uri or resolve_tracking_uri(self.tracking_cfg, self.run_cfg.storage_path)
+            registered = register_exported_model(path, name=register_model_name, tracking_uri=uri, run_id=run_id)
+            console(f"registered {registered.uri} (logged model {registered.model_id} of run {run_id})")
+        return path
+
+    def _group_running(self) -> bool:
+        thread = getattr(self.group, "_thread", None)
+        return thread is not None and thread.is_alive()
+
+    def _export_from_checkpoint(self, payload: dict[str, Any]) -> tuple[Any, str | None]:
+        """Start the model-only workers from the latest checkpoint, export, stop them."""
+        cfg = self.run_cfg
+        run_dir = os.path.join(cfg.storage_path, cfg.run_name)
+        no_checkpoint = (
+            f"run {cfg.run_name!r} has no checkpoint under {cfg.storage_path} to export; train it first, "
+            "or export while it runs (trainer.export_dir)"
+        )
+        if "://" not in cfg.storage_path and not (
+            os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))
+        ):
+            raise ValueError(no_checkpoint)
+        console(f"export: starting the train workers from the latest checkpoint of {cfg.run_name}")
+        ensure_ray(self.ray_cfg)
+        sections = {  # the model, not the rollout: exporting generates nothing
+            name: OmegaConf.to_container(self.recipe[name], resolve=True)
+            for name in self.worker_sections
+            if name != "rollout" and self.recipe.get(name) is not None
+        }
+        group = TrainGroup(
+            sections=sections, ray_cfg=self.ray_cfg, run_name=cfg.run_name, storage_path=cfg.storage_path, seed=cfg.seed
+        )
+        try:
+            announced = group.start()
+            if not int(announced.get("restored_step", 0)):
+                raise ValueError(no_checkpoint)
+            info = group.call("export", payload)[0]
+        finally:
+            group.stop()
+        return info, self.tracker.run_id or (announced.get("controller") or {}).get("mlflow_run_id")
 
     def teardown(self, status: str) -> None:
         if self.group is not None:

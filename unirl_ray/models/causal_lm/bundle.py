@@ -89,16 +89,29 @@ class CausalLMBundle:
         return self
 
     def save_pretrained(self, directory: str) -> str:
-        """Write model and tokenizer to ``directory`` (loadable by ``from_config`` and by engines such as vLLM)."""
+        """Write model (safetensors) and tokenizer to ``directory``; returns ``directory``.
+
+        The model loads with ``AutoModelForCausalLM.from_pretrained(directory)``, a checkpoint's
+        tokenizer with ``AutoTokenizer.from_pretrained(directory)``. The demo char tokenizer is saved
+        complete (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``) but must be
+        loaded with ``PreTrainedTokenizerFast.from_pretrained(directory)``: next to a Qwen2
+        ``config.json``, transformers 5.2x's ``AutoTokenizer`` builds a ``Qwen2Tokenizer`` (byte-level
+        BPE), which drops the char vocabulary's whitespace (``CausalLMConfig(pretrained_model_path=...)``
+        loads it right). This is the family's export hook:
+        ``unirl_ray.train.export`` calls it on a copy holding the trained weights.
+        """
         os.makedirs(directory, exist_ok=True)
         self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
         return directory
 
 
+_GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def _load_tokenizer(path: str) -> Any:
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = _tokenizer_class(path).from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"could not load a tokenizer from {path!r} ({err}); the model folder must also hold the tokenizer "
@@ -110,3 +123,19 @@ def _load_tokenizer(path: str) -> Any:
         logger.warning("CausalLM: tokenizer in %s has no pad_token; using eos_token %r", path, tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _tokenizer_class(path: str) -> Any:
+    """``AutoTokenizer``, except for a folder saved from a generic ``tokenizer.json`` (e.g. the demo char
+    tokenizer): next to a Qwen2 ``config.json`` transformers 5.2x's ``AutoTokenizer`` forces a byte-level
+    ``Qwen2Tokenizer`` onto it, which silently drops spaces and newlines."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            if json.load(f).get("tokenizer_class") in _GENERIC_FAST_TOKENIZERS:
+                return PreTrainedTokenizerFast
+    return AutoTokenizer

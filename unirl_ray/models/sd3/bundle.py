@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,3 +124,27 @@ class SD3Bundle:
                 tokenizer_3=self.tokenizer_3,
             )
         return self._pipe
+
+    def save_pretrained(self, directory: str) -> str:
+        """Write every component as a diffusers ``StableDiffusion3Pipeline`` folder; returns its ``transformer/``.
+
+        The folder holds ``model_index.json`` and ``transformer/``, ``vae/``, ``text_encoder{,_2,_3}/``,
+        ``tokenizer{,_2,_3}/`` and ``scheduler/`` (no ``text_encoder_3`` / ``tokenizer_3`` weights when
+        the bundle has no T5). It loads with ``StableDiffusion3Pipeline.from_pretrained(directory)``, its
+        transformer alone with ``SD3Transformer2DModel.from_pretrained(directory, subfolder="transformer")``,
+        and it is a valid ``pretrained_model_ckpt_path``.
+        """
+        pipe = StableDiffusion3Pipeline(  # built anew: the cached pipeline may hold replaced components
+            transformer=self.transformer,
+            scheduler=self.scheduler,
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            text_encoder_2=self.text_encoder_2,
+            tokenizer_2=self.tokenizer_2,
+            text_encoder_3=self.text_encoder_3,
+            tokenizer_3=self.tokenizer_3,
+        )
+        os.makedirs(directory, exist_ok=True)
+        pipe.save_pretrained(directory)
+        return os.path.join(directory, "transformer")

@@ -45,8 +45,15 @@ class DedicatedRollout:
     """Longest wait for one engine call or for the app to become ready."""
     max_retries: int = 3
     """Retries of a failed engine call (e.g. a replica that died) before the step fails."""
+    placement: str = "separate"
+    """``separate``: the engine has its own devices and stays resident. ``colocated``: the engine shares
+    the train workers' devices (e.g. ``num_gpus: 0.5`` on both sides) and they take turns: before a
+    rollout the workers offload parameters, gradients and optimizer state and the engine wakes (and
+    loads the latest weights); after it the engine sleeps and the workers onload."""
 
     def __post_init__(self) -> None:
+        if self.placement not in ("separate", "colocated"):
+            raise ValueError(f"rollout.placement must be 'separate' or 'colocated', got {self.placement!r}")
         if self.engine not in _ENGINES:
             raise ValueError(f"rollout.engine must be one of {sorted(_ENGINES)}, got {self.engine!r}")
         if self.engine_kwargs and self.engine == "hf":
@@ -76,6 +83,7 @@ class DedicatedEngine:
     def __init__(self, cfg: DedicatedRollout, app_name: str, handle: Any, store: Any) -> None:
         self.cfg, self.app_name, self.handle, self.store = cfg, app_name, handle, store
         self.version = -1
+        self.checksum: str | None = None
 
     @classmethod
     def deploy(cls, cfg: DedicatedRollout, *, app_name: str, sections: dict[str, Any], seed: int) -> "DedicatedEngine":
@@ -97,6 +105,8 @@ class DedicatedEngine:
         )
         t0 = time.perf_counter()
         extra = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}
+        if cfg.engine == "vllm" and cfg.placement == "colocated":
+            extra["colocated"] = True
         app = deployment.bind(sections, (store_name, NAMESPACE), seed, **extra)
         try:
             handle = call_with_timeout(
@@ -111,16 +121,48 @@ class DedicatedEngine:
         log.info("rollout engine %r ready in %.1fs (%d replicas)", app_name, time.perf_counter() - t0, cfg.num_replicas)
         return cls(cfg, app_name, handle, store)
 
+    @property
+    def colocated(self) -> bool:
+        return self.cfg.placement == "colocated"
+
     def publish(self, version: int, ref: Any, checksum: str, *, timeout_s: float) -> None:
-        """Record ``version`` in the store, load it on every replica, verify every replica serves it."""
+        """Record ``version`` in the store, load it on every replica, verify every replica serves it.
+
+        Colocated engines sleep between rollouts: they load the recorded version when woken
+        (``wake`` verifies it), so publishing only records it.
+        """
         import ray
 
         ray.get(self.store.publish.remote(version, [ref], checksum), timeout=60)
-        reports = self.handle.broadcast("load_weights", version, ref, checksum).results(timeout_s=timeout_s)
-        wrong = [r for r in reports if r["version"] != version or r["checksum"] != checksum]
-        if wrong:
-            raise StaleWeightsError(f"replicas did not load weights v{version}: {wrong}")
+        self.checksum = checksum
+        if not self.colocated:
+            reports = self.handle.broadcast("load_weights", version, ref, checksum).results(timeout_s=timeout_s)
+            self._verify(reports, version)
         self.version = version
+
+    def _verify(self, reports: list[dict[str, Any]], version: int) -> None:
+        wrong = [r for r in reports if r["version"] != version or r["checksum"] != self.checksum]
+        if wrong:
+            raise StaleWeightsError(f"replicas do not serve weights v{version} (checksum {self.checksum}): {wrong}")
+
+    def sleep(self) -> dict[str, float]:
+        """Colocated: every replica frees its device memory; returns ``{"bytes": freed, "seconds": ...}``."""
+        t0 = time.perf_counter()
+        reports = self.handle.broadcast("sleep").results(timeout_s=self.cfg.timeout_s)
+        awake = [r for r in reports if not r["asleep"]]
+        if awake:
+            raise RuntimeError(f"rollout replicas did not go to sleep: {awake}")
+        return {"bytes": float(sum(r["released_bytes"] for r in reports)), "seconds": time.perf_counter() - t0}
+
+    def wake(self) -> dict[str, float]:
+        """Colocated: every replica takes its device memory back and loads the latest version (verified)."""
+        t0 = time.perf_counter()
+        reports = self.handle.broadcast("wake", self.version).results(timeout_s=self.cfg.timeout_s)
+        asleep = [r for r in reports if r["asleep"]]
+        if asleep:
+            raise RuntimeError(f"rollout replicas did not wake: {asleep}")
+        self._verify(reports, self.version)
+        return {"seconds": time.perf_counter() - t0}
 
     def generate(self, requests: list[dict[str, Any]]) -> list[Sample]:
         """Split over replicas (``requests_per_call`` each), with bounded retries per call."""

@@ -2,38 +2,90 @@
 
 No engine and no weight sync: the samples are exactly on-policy, so the log-probs recorded while
 sampling equal the ones the stack recomputes at the start of the step.
+
+Exception, on purpose: when the backend holds the NFT adapter pair (``backend.ema_lora_cfg``), the
+EMA shadow adapter is the sampling ("old") policy of DiffusionNFT, so by default the rollout samples
+with it (``sampling_policy``); the trained adapter takes over again when sampling ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Iterator, Literal
 
 import numpy as np
 import torch
 
 from unirl_ray.core.sample import Sample
 
+_SAMPLING_POLICIES = ("auto", "trainable", "shadow")
+
 
 class TrainsideRollout:
     """Generate samples for a list of requests on this rank, ``micro_batch_size`` at a time."""
 
-    def __init__(self, *, micro_batch_size: int = 8, pipeline: Any = None, backend: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int = 8,
+        sampling_policy: Literal["auto", "trainable", "shadow"] = "auto",
+        pipeline: Any = None,
+        backend: Any = None,
+    ) -> None:
+        """
+        Args:
+            micro_batch_size: Prompts per sampling forward.
+            sampling_policy: Weights that sample: ``trainable`` (the module being trained), ``shadow``
+                (the EMA shadow adapter of ``backend.ema_lora_cfg``, DiffusionNFT's old policy) or
+                ``auto`` (``shadow`` when the backend has ``ema_lora_cfg``, else ``trainable``).
+            pipeline: The built ``pipeline:`` section (injected).
+            backend: The train rank's ``FSDPBackend`` (injected).
+        """
         if micro_batch_size < 1:
             raise ValueError(f"rollout.micro_batch_size must be >= 1, got {micro_batch_size}")
+        if sampling_policy not in _SAMPLING_POLICIES:
+            raise ValueError(f"rollout.sampling_policy must be one of {_SAMPLING_POLICIES}, got {sampling_policy!r}")
+        has_shadow = getattr(backend, "ema_lora_cfg", None) is not None
+        if sampling_policy == "shadow" and not has_shadow:
+            raise ValueError(
+                "rollout.sampling_policy='shadow' needs the EMA shadow adapter: set backend.ema_lora_cfg, "
+                "or use sampling_policy: trainable"
+            )
         self.micro_batch_size = micro_batch_size
+        self.sampling_policy = sampling_policy
         self.pipeline = pipeline
         self.backend = backend
+        self.samples_with_shadow = sampling_policy == "shadow" or (sampling_policy == "auto" and has_shadow)
+        """Whether ``generate`` samples with the backend's shadow adapter."""
+
+    @property
+    def _needs_group_ids(self) -> bool:
+        """Pipelines that draw per-group randomness (shared initial noise) declare ``needs_group_ids``."""
+        return bool(getattr(self.pipeline, "needs_group_ids", False))
+
+    @contextlib.contextmanager
+    def _sampling_module(self) -> Iterator[Any]:
+        """The module to sample with (``None``: the pipeline's own), gathered for the whole rollout."""
+        if self.backend is None:
+            yield None
+            return
+        with self.backend.sampling() as module:
+            if not self.samples_with_shadow:
+                yield module
+                return
+            with self.backend.shadow_policy() as shadow:
+                yield shadow
 
     @torch.no_grad()
     def generate(self, requests: list[dict[str, Any]], *, policy_version: int) -> list[Sample]:
         """``requests``: dicts with ``sample_id, group_id, prompt, columns, seed``."""
         samples: list[Sample] = []
-        with self.backend.sampling() if self.backend is not None else contextlib.nullcontext() as module:
+        with self._sampling_module() as module:
             for start in range(0, len(requests), self.micro_batch_size):
                 chunk = requests[start : start + self.micro_batch_size]
                 prompts, seeds = [r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk]
-                outputs = self.pipeline.sample(prompts, seeds, module=module)
+                extra = {"group_ids": [r["group_id"] for r in chunk]} if self._needs_group_ids else {}
+                outputs = self.pipeline.sample(prompts, seeds, module=module, **extra)
                 samples.extend(samples_from_outputs(chunk, outputs, policy_version))
         return samples
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample
 from unirl_ray.train.configs import TrainTopology
+
+if TYPE_CHECKING:
+    from unirl_ray.train.export import ExportInfo
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,32 @@ class StackWorker:
         if self.topology.rank != 0:
             return {}
         return {"state": state, "checksum": state_checksum(state), "policy_version": self.policy_version}
+
+    def export(self, directory: str, merge_lora: bool = True, *, overwrite: bool = False) -> ExportInfo | None:
+        """Collective: write the trained model as a ``from_pretrained`` folder on rank 0 (``train.export``).
+
+        Returns the ``ExportInfo`` on rank 0, ``None`` on the other ranks.
+        """
+        from unirl_ray.train.export import export_model
+
+        return export_model(
+            self.bundle,
+            self.backend,
+            directory,
+            merge_lora=merge_lora,
+            overwrite=overwrite,
+            policy_version=self.policy_version,
+        )
+
+    # ---------------------------------------------------- colocated turns
+    def offload(self) -> dict[str, int]:
+        """Hand this rank's device memory to a colocated engine: ``bytes`` freed and ``resident_bytes``
+        (device bytes the train state still holds: 0 when everything moved)."""
+        return {"bytes": self.backend.offload(), "resident_bytes": self.backend.device_bytes()}
+
+    def onload(self) -> dict[str, int]:
+        """Take the device memory back (bit for bit) before training."""
+        return {"bytes": self.backend.onload(), "resident_bytes": self.backend.device_bytes()}
 
     # ----------------------------------------------------------- checkpoint
     def save(self, directory: str) -> dict[str, Any]:

@@ -92,6 +92,12 @@ def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeou
         return _save(worker, payload, rank, save_timeout_s)
     if op == "export_weights":
         return worker.export_weights()
+    if op == "export":
+        return worker.export(payload["directory"], bool(payload["merge_lora"]), overwrite=bool(payload["overwrite"]))
+    if op == "offload":
+        return worker.offload()
+    if op == "onload":
+        return worker.onload()
     if op == "ping":
         return {"policy_version": worker.policy_version}
     raise ValueError(f"unknown worker command {op!r}")

@@ -72,9 +72,19 @@ class RLTrainer(BaseTrainer):
         self.group_size = int(getattr(self.algorithm, "group_size", 1))
         stack = self._build("stack")
         self.bundle_cfg = instantiate(recipe.bundle.config) if "config" in recipe.bundle else None
-        for name in ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg"):
-            if recipe.backend.get(name) is not None:
-                instantiate(recipe.backend[name])
+        self.backend_cfgs = {
+            name: instantiate(recipe.backend[name])
+            for name in ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg", "ema_lora_cfg", "ema_full_cfg")
+            if recipe.backend.get(name) is not None
+        }
+        if "lora_cfg" in self.backend_cfgs and "ema_lora_cfg" in self.backend_cfgs:
+            raise RecipeError("backend.lora_cfg and backend.ema_lora_cfg are both set: EmaLoraConfig already injects "
+                              "the LoRA adapters (plus their EMA shadow); keep only ema_lora_cfg")
+        if "fsdp_cfg" in self.backend_cfgs:
+            try:
+                self.backend_cfgs["fsdp_cfg"].mesh_shape(self.ray_cfg.num_workers)
+            except ValueError as exc:
+                raise RecipeError(f"backend.fsdp_cfg: {exc}") from None
         self.dedicated = self._dedicated_rollout()
         self.sync = self._build("sync") if recipe.get("sync") is not None else None
         if self.dedicated is not None and self.sync is None:
@@ -119,17 +129,28 @@ class RLTrainer(BaseTrainer):
 
         self.reward = RewardClient.deploy(self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
         self.engine = None
+        self._stage_metrics: dict[str, float] = {}
         if self.dedicated is not None:
             sections = {
                 "bundle": OmegaConf.to_container(self.recipe.bundle, resolve=True),
                 "pipeline": OmegaConf.to_container(self.recipe.pipeline, resolve=True),
-                "lora_cfg": OmegaConf.to_container(self.recipe.backend.lora_cfg, resolve=True)
-                if self.recipe.backend.get("lora_cfg") is not None else None,
+                "lora_cfg": self._engine_lora_section(),
                 "trainable_attr": self.recipe.backend.trainable_attr,
             }
             self.engine = DedicatedEngine.deploy(
                 self.dedicated, app_name=f"{self.run_cfg.run_name}-rollout", sections=sections, seed=self.run_cfg.seed
             )
+            if self.engine.colocated:  # give the devices to the train workers that start next
+                self.engine.sleep()
+
+    def _engine_lora_section(self) -> dict[str, Any] | None:
+        """The adapter structure the engine must mirror: the trained LoRA (EmaLora: its default adapter)."""
+        if self.recipe.backend.get("lora_cfg") is not None:
+            return OmegaConf.to_container(self.recipe.backend.lora_cfg, resolve=True)
+        ema_lora = self.backend_cfgs.get("ema_lora_cfg")
+        if ema_lora is not None:
+            return {"_target_": "unirl_ray.train.configs.LoraConfig", **dataclasses.asdict(ema_lora.lora())}
+        return None
 
     def start_workers(self) -> dict[str, Any]:
         if self.dedicated is not None:  # the engine rolls out; the workers only train
@@ -162,6 +183,8 @@ class RLTrainer(BaseTrainer):
         t0 = time.perf_counter()
         samples = self.rollout(requests)
         metrics = {"timing/rollout": time.perf_counter() - t0, **self.rollout_metrics(samples)}
+        metrics |= self._stage_metrics
+        self._stage_metrics = {}
 
         metrics |= self.reward.score(samples)
         metrics |= self.algorithm.compute_advantages(samples)
@@ -197,11 +220,31 @@ class RLTrainer(BaseTrainer):
         return requests
 
     def rollout(self, requests: list[dict[str, Any]]) -> list[Sample]:
+        if self.engine is not None and self.engine.colocated:
+            return self.colocated_rollout(requests)
         if self.engine is not None:
             return self.engine.generate(requests)
         shards = _split(requests, self.group.world_size)
         results = self.group.call("generate", [{"requests": shard} for shard in shards])
         return [sample for shard in results for sample in shard]
+
+    def colocated_rollout(self, requests: list[dict[str, Any]]) -> list[Sample]:
+        """Train workers and engine take turns on the same devices: workers offload, the engine wakes
+        (loading the latest version, verified), generates and sleeps, the workers onload."""
+        t0 = time.perf_counter()
+        offloaded = self.group.call("offload", {})
+        self._stage_metrics = {"colocate/train_bytes_offloaded": float(sum(r["bytes"] for r in offloaded)),
+                               "colocate/train_bytes_resident": float(sum(r["resident_bytes"] for r in offloaded))}
+        try:
+            self._stage_metrics["timing/engine_wake"] = self.engine.wake()["seconds"]
+            samples = self.engine.generate(requests)
+            asleep = self.engine.sleep()
+            self._stage_metrics |= {"timing/engine_sleep": asleep["seconds"], "colocate/engine_bytes_freed": asleep["bytes"]}
+        finally:
+            self.group.call("onload", {})
+        self._stage_metrics["timing/offload_onload"] = time.perf_counter() - t0 - sum(
+            self._stage_metrics.get(k, 0.0) for k in ("timing/engine_wake", "timing/engine_sleep"))
+        return samples
 
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         """Family metrics of a rollout (lengths, ...); the policy-version lag of the samples."""

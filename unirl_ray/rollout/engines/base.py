@@ -1,21 +1,61 @@
-"""What every rollout engine shares: the version it serves and catching up from the WeightStore."""
+"""What every rollout engine shares: the version it serves, catching up from the WeightStore, and
+sleeping / waking for colocated layouts (train and engine take turns on the same devices)."""
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 
-class VersionedEngine:
+class VersionedEngine(abc.ABC):
     """Mixin for engine deployments; subclasses set ``store``, ``version``, ``checksum``, ``replica``
-    and implement ``load_weights(version, state, checksum)``."""
+    and implement ``load_weights(version, state, checksum)``, ``_release()`` (give the device memory
+    back, return bytes freed) and ``_restore()`` (take it again, return bytes restored)."""
 
     store: tuple[str, str] | None = None
     version: int = -1
     checksum: str | None = None
     replica: int = 0
+    asleep: bool = False
+    released_bytes: int = 0
 
     def status(self) -> dict[str, Any]:
-        return {"version": self.version, "checksum": self.checksum, "replica": self.replica}
+        return {"version": self.version, "checksum": self.checksum, "replica": self.replica,
+                "asleep": self.asleep, "released_bytes": self.released_bytes}
+
+    def sleep(self) -> dict[str, Any]:
+        """Free the engine's device memory (weights, caches) until ``wake``; generation is refused meanwhile."""
+        if not self.asleep:
+            self.released_bytes = int(self._release())
+            self.asleep = True
+        return self.status()
+
+    def wake(self, expected_version: int) -> dict[str, Any]:
+        """Take the device memory back, then load the latest published weights if behind ``expected_version``."""
+        if self.asleep:
+            self._restore()
+            self.asleep, self.released_bytes = False, 0
+        self._catch_up(expected_version)
+        return self.status()
+
+    @abc.abstractmethod
+    def load_weights(self, version: int, state: dict[str, Any], checksum: str) -> dict[str, Any]:
+        """Load a published version (verified by checksum); returns ``status()``."""
+
+    @abc.abstractmethod
+    def _release(self) -> int:
+        """Give the engine's device memory back; returns the bytes freed."""
+
+    @abc.abstractmethod
+    def _restore(self) -> int:
+        """Reallocate what ``_release`` freed, contents intact; returns the bytes restored."""
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError(
+                f"rollout replica {self.replica} is asleep (colocated layout: the train workers hold the device); "
+                "the controller wakes it before rolling out"
+            )
 
     def _catch_up(self, expected_version: int) -> None:
         """A replica behind the controller (started or restarted late) loads the latest published weights."""

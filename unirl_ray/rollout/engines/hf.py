@@ -23,6 +23,7 @@ from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.trainside import samples_from_outputs
 from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
 from unirl_ray.rollout.engines.base import VersionedEngine
+from unirl_ray.train.backend.offload import StorageOffloader
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ class HFRolloutEngine(VersionedEngine):
             inject_lora(self.module, instantiate(sections["lora_cfg"]))
             self.module.requires_grad_(False)
         self.module.eval()
+        # A replica started with `num_gpus` sees its GPU(s); generate there.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if hasattr(self.bundle, "to"):
+            self.bundle.to(self.device)
+        self._offloader = StorageOffloader(self.device)
         self.store = store
         self.version = -1
         self.checksum: str | None = None
@@ -51,6 +57,7 @@ class HFRolloutEngine(VersionedEngine):
     # --------------------------------------------------------------- weights
     def load_weights(self, version: int, state: dict[str, torch.Tensor], checksum: str) -> dict[str, Any]:
         """Load a published version (trainable weights only); refuse a corrupted transfer."""
+        self._check_awake()  # an asleep replica has no weights to copy into; it catches up on wake
         got = state_checksum(state)
         if got != checksum:
             raise ValueError(f"weights v{version} arrived corrupted (checksum {got} != {checksum}); not loaded")
@@ -68,8 +75,23 @@ class HFRolloutEngine(VersionedEngine):
             self.version, self.checksum = version, checksum
         return self.status()
 
+    # ----------------------------------------------------------- sleep/wake
+    def _release(self) -> int:
+        """Copy the bundle's weights to the host and free their device storage (colocated layouts)."""
+        with self.lock:
+            return self._offloader.offload(self._tensors())
+
+    def _restore(self) -> int:
+        with self.lock:
+            return self._offloader.onload()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        modules = [m for m in vars(self.bundle).values() if isinstance(m, torch.nn.Module)]
+        return [t for m in modules for t in (*m.parameters(), *m.buffers())]
+
     # ------------------------------------------------------------ generation
     def _generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
+        self._check_awake()
         self._catch_up(expected_version)
         if self.version != expected_version:
             raise StaleWeightsError(

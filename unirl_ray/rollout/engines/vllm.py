@@ -134,8 +134,11 @@ class VLLMRolloutEngine(VersionedEngine):
         store: tuple[str, str] | None = None,
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        colocated: bool = False,
     ) -> None:
         engine_kwargs = dict(engine_kwargs or {})
+        if colocated and torch.cuda.is_available():
+            engine_kwargs.setdefault("enable_sleep_mode", True)  # sleep(level=1) frees weights and KV cache
         mode = engine_kwargs.pop("weight_update", "auto")
         if mode not in _WEIGHT_UPDATE_MODES:
             raise ValueError(f"engine_kwargs.weight_update must be one of {_WEIGHT_UPDATE_MODES}, got {mode!r}")
@@ -246,6 +249,7 @@ class VLLMRolloutEngine(VersionedEngine):
         Validated before anything is applied; on any failure the engine keeps serving its previous
         version and the error is raised.
         """
+        self._check_awake()  # an asleep replica has no weights to copy into; it catches up on wake
         got = state_checksum(state)
         if got != checksum:
             raise ValueError(f"weights v{version} arrived corrupted (checksum {got} != {checksum}); not loaded")
@@ -344,6 +348,7 @@ class VLLMRolloutEngine(VersionedEngine):
         )
 
     def _generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
+        self._check_awake()
         self._catch_up(expected_version)
         if self.version != expected_version:
             raise StaleWeightsError(
@@ -389,6 +394,26 @@ class VLLMRolloutEngine(VersionedEngine):
                 )
             )
         return samples
+
+    # ----------------------------------------------------------- sleep/wake
+    def _release(self) -> int:
+        """vLLM sleep level 1: weights to host memory, KV cache discarded (CUDA; vLLM's CPU backend
+        has no sleep mode, so on CPU nothing is freed and 0 is reported)."""
+        if not self._sleep_enabled():
+            return 0
+        before = torch.cuda.memory_reserved()
+        self._call(self.llm.sleep, 1)
+        return max(0, before - torch.cuda.memory_reserved())
+
+    def _restore(self) -> int:
+        if not self._sleep_enabled():
+            return 0
+        self._call(self.llm.wake_up)
+        self._call(self.llm.reset_prefix_cache)
+        return 0
+
+    def _sleep_enabled(self) -> bool:
+        return bool(getattr(self.llm.model_config, "enable_sleep_mode", False))
 
     async def generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
         """Generate on the engine thread so the replica's event loop stays responsive."""

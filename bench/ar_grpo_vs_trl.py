@@ -119,8 +119,8 @@ class Task:
         self.rollout_micro = int(recipe.rollout.get("micro_batch_size", self.num_samples))
         self.micro = int(recipe.stack.micro_batch_size)
         mini = recipe.stack.get("mini_batch_size")
-        # the trainer's mini-batch is per rank: the optimizer step covers mini x workers samples
-        self.mini = self.num_samples if mini is None else min(self.num_samples, int(mini) * self.workers)
+        # the trainer's mini-batch counts samples over all ranks, as the bare loop's does
+        self.mini = self.num_samples if mini is None else min(self.num_samples, int(mini))
         if self.num_samples % self.mini or self.mini % self.micro:
             raise SystemExit(f"{self.num_samples} samples per step must split into mini-batches of {self.mini} "
                              f"and micro-batches of {self.micro}")

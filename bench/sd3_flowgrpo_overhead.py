@@ -135,10 +135,10 @@ class BareLoop:
         self.num_samples = n
         self.rollout_micro = int(recipe.rollout.micro_batch_size)
         self.micro = int(recipe.stack.micro_batch_size)
-        # The trainer's mini-batch is per rank; the bare loop's optimizer step covers the same
-        # global batch, so both take the same number of optimizer steps per RL step.
+        # The trainer's mini-batch counts samples over all ranks, so both sides take the same
+        # number of optimizer steps per RL step.
         mini = recipe.stack.get("mini_batch_size")
-        self.mini = n if mini is None else min(n, int(mini) * workers)
+        self.mini = n if mini is None else min(n, int(mini))
         self.max_grad_norm = recipe.stack.get("max_grad_norm")
         self.prompt_fallback = prompt_fallback
 

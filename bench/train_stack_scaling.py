@@ -314,11 +314,11 @@ def check_recipe(recipe) -> None:
 
 
 def worker_sections(recipe, *, ranks: int, mini: int) -> dict:
-    """The recipe's train sections as a StackWorker gets them, with the per-rank mini-batch set."""
+    """The recipe's train sections as a StackWorker gets them, with the (global) mini-batch set."""
     from omegaconf import OmegaConf
 
     sections = {name: OmegaConf.to_container(recipe[name], resolve=True) for name in WORKER_SECTIONS}
-    sections["stack"]["mini_batch_size"] = mini // ranks
+    sections["stack"]["mini_batch_size"] = mini  # samples per optimizer step over all ranks
     return sections
 
 

@@ -163,3 +163,15 @@ def test_dcp_roundtrip_single_process(tmp_path):
     assert torch.equal(target["model"]["w"], state["model"]["w"])
     with pytest.raises(TypeError, match="only tensors"):
         dcp_io.save({"x": 3}, str(tmp_path / "bad"))
+
+
+def test_mini_batch_counts_samples_over_all_ranks():
+    stack = make_stack(micro_batch_size=4, mini_batch_size=32)
+    assert stack.rank_mini_batch(32, 1) == 32  # one rank: one optimizer step over its 32 samples
+    assert stack.rank_mini_batch(16, 2) == 16  # two ranks: still one step over the same 32 samples
+    assert stack.rank_mini_batch(32, 2) == 16  # 64 samples: two steps of 32
+    with pytest.raises(ValueError, match="over all ranks, so 10.6667 per rank"):
+        stack.rank_mini_batch(16, 3)
+    with pytest.raises(ValueError, match="per-rank micro-batches of 4"):
+        make_stack(micro_batch_size=4, mini_batch_size=8).rank_mini_batch(16, 4)
+    assert make_stack(micro_batch_size=4).rank_mini_batch(12, 3) == 12  # None: the whole batch

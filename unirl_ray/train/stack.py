@@ -25,12 +25,14 @@ from unirl_ray.train.backend.fsdp import FSDPBackend
 
 @dataclass(kw_only=True)
 class TrainStackConfig:
-    """Mini-batching of one train step (per rank)."""
+    """Mini-batching of one train step."""
 
     micro_batch_size: int = 1
-    """Samples per forward/backward."""
+    """Samples per forward/backward on one rank (a memory knob: it does not change the math)."""
     mini_batch_size: int | None = None
-    """Samples per optimizer step (None: the whole shard, one step per epoch)."""
+    """Samples per optimizer step over ALL ranks (each rank takes ``mini_batch_size / world_size``);
+    None: the whole step's batch, one optimizer step per epoch. Global, so the same recipe does the
+    same math on any number of workers."""
     num_updates_per_batch: int = 1
     """Epochs over the shard (PPO); > 1 needs ``StageAlgorithm.supports_multi_update``."""
     max_grad_norm: float | None = 1.0
@@ -80,26 +82,33 @@ class TrainStack:
         self.algorithm = algorithm
         self.policy_version = 0
 
-    def check_shard_size(self, shard_size: int) -> None:
-        """Raise ValueError if a per-rank shard of this size cannot be split as configured."""
-        mini = self.cfg.mini_batch_size or shard_size
-        if shard_size % mini or mini % self.cfg.micro_batch_size:
+    def rank_mini_batch(self, shard_size: int, world_size: int) -> int:
+        """Samples per optimizer step on one rank; ValueError if the shard cannot be split as configured."""
+        global_mini = self.cfg.mini_batch_size or shard_size * world_size
+        mini = global_mini // world_size
+        if global_mini % world_size or shard_size % mini or mini % self.cfg.micro_batch_size:
             raise ValueError(
-                f"each rank trains on {shard_size} samples per step, which must split into mini-batches of "
-                f"{mini} and micro-batches of {self.cfg.micro_batch_size}; adjust stack.mini_batch_size / "
-                "stack.micro_batch_size or the number of samples per step"
+                f"{shard_size * world_size} samples per step on {world_size} rank(s) must split into mini-batches of "
+                f"{global_mini} (over all ranks, so {global_mini / world_size:g} per rank) and per-rank micro-batches "
+                f"of {self.cfg.micro_batch_size}; adjust stack.mini_batch_size / stack.micro_batch_size or the "
+                "number of samples per step"
             )
+        return mini
+
+    def check_shard_size(self, shard_size: int, world_size: int = 1) -> None:
+        """Raise ValueError if a per-rank shard of this size cannot be split as configured."""
+        self.rank_mini_batch(shard_size, world_size)
 
     def train(self, samples: list[Sample], *, seed: int) -> TrainStepResult:
         """One RL step on this rank's shard (collective over ranks)."""
-        self.check_shard_size(len(samples))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        mini = self.rank_mini_batch(len(samples), world)
         t0 = time.perf_counter()
         segment = self.algorithm.prepare_segment(samples, seed=seed)
         sums: dict[str, float] = {}
         opt_metrics: dict[str, float] = {}
         n_opt = 0
         gen = torch.Generator().manual_seed(seed)
-        mini = self.cfg.mini_batch_size or len(samples)
         for epoch in range(self.cfg.num_updates_per_batch):
             order = torch.randperm(len(samples), generator=gen).tolist()
             for start in range(0, len(samples), mini):
@@ -114,7 +123,6 @@ class TrainStack:
         metrics = self._reduce(sums, opt_metrics, n_opt)
         metrics.update(ema_metrics)
         metrics["timing/train_step"] = time.perf_counter() - t0
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return TrainStepResult(
             metrics=metrics,
             policy_version=self.policy_version,

@@ -99,7 +99,7 @@ class RLTrainer(BaseTrainer):
                 f"over ray.scaling.num_workers={workers} (every FSDP rank must do the same work)"
             )
         try:
-            stack.check_shard_size(total // workers)
+            stack.check_shard_size(total // workers, workers)
         except ValueError as exc:
             raise RecipeError(str(exc)) from None
         self.validate_model()

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from unirl_ray.runtime.broker import CommandBroker
+from unirl_ray.runtime.broker import CommandBroker, pack, unpack
 from unirl_ray.runtime.cluster import RayConfig, runtime_env_vars
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,10 @@ class TrainGroup:
         run_name: str,
         storage_path: str,
         seed: int,
+        datasets: dict[str, Any] | None = None,
     ) -> None:
         self.ray_cfg = ray_cfg
+        self.datasets = datasets  # Ray Data datasets split over the ranks (ray.train.get_dataset_shard)
         self.run_name = run_name
         self.storage_path = storage_path
         self.world_size = ray_cfg.num_workers
@@ -76,6 +78,8 @@ class TrainGroup:
         return TorchTrainer(
             worker_main,
             train_loop_config=self.loop_config,
+            datasets=self.datasets,
+            dataset_config=self._dataset_config(),
             torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo", timeout_s=cfg.collective_timeout_s),
             scaling_config=ScalingConfig(**scaling),
             run_config=RunConfig(
@@ -86,6 +90,18 @@ class TrainGroup:
                 worker_runtime_env={"env_vars": runtime_env_vars()},
             ),
         )
+
+    def _dataset_config(self):
+        """Ray Train's defaults plus ``preserve_order``: every epoch then gives each rank the same records
+        in the same order (``streaming_split(equal=True)`` assigns blocks as they arrive), so a data
+        cursor resumes exactly."""
+        if not self.datasets:
+            return None
+        from ray.train import DataConfig
+
+        options = DataConfig.default_ingest_options()
+        options.preserve_order = True
+        return DataConfig(execution_options=options)
 
     def _fit(self) -> None:
         try:
@@ -126,8 +142,8 @@ class TrainGroup:
         """Run ``op`` on every rank (a list gives each rank its own payload); returns per-rank results."""
         if not isinstance(payloads, list):
             payloads = [payloads] * self.world_size
-        refs = [{"_ref": ray.put(p)} for p in payloads]
-        cmd_id = ray.get(self.broker.submit.remote(op, refs), timeout=30)
+        boxes = [pack(p) for p in payloads]
+        cmd_id = ray.get(self.broker.submit.remote(op, boxes), timeout=30)
         deadline = time.monotonic() + (timeout_s or self.ray_cfg.command_timeout_s)
         while True:
             results = ray.get(self.broker.collect.remote(cmd_id, 1.0), timeout=60)
@@ -143,7 +159,7 @@ class TrainGroup:
         errors = [f"rank {i}: {r['error']}\n{r.get('traceback', '')}" for i, r in enumerate(results) if "error" in r]
         if errors:
             raise WorkerError(f"train workers failed on {op!r}:\n" + "\n".join(errors))
-        return ray.get([r["_ref"] for r in results], timeout=600)
+        return [unpack(r) for r in results]
 
     def save(self, step: int, controller_state: dict[str, Any]) -> str:
         """Collective checkpoint; returns the committed checkpoint path."""

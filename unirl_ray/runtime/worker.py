@@ -23,6 +23,7 @@ import ray
 import ray.train
 import torch
 
+from unirl_ray.runtime.broker import pack, unpack
 from unirl_ray.runtime.stack_worker import StackWorker
 from unirl_ray.train.configs import TrainTopology
 
@@ -98,9 +99,24 @@ def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeou
         return worker.offload()
     if op == "onload":
         return worker.onload()
+    if op == "sft_start":
+        return worker.sft_start(payload, open_train=_shard_opener("train"), open_eval=_shard_opener("eval"))
+    if op == "sft_train":
+        return worker.sft_train(payload["seeds"])
+    if op == "sft_eval":
+        return worker.sft_eval()
     if op == "ping":
         return {"policy_version": worker.policy_version}
     raise ValueError(f"unknown worker command {op!r}")
+
+
+def _shard_opener(name: str) -> Any:
+    """A function starting a new epoch over this rank's shard of dataset ``name`` (None if there is none)."""
+    try:
+        shard = ray.train.get_dataset_shard(name)
+    except KeyError:
+        return None
+    return None if shard is None else shard.iter_rows
 
 
 def worker_main(config: dict[str, Any]) -> None:
@@ -130,9 +146,9 @@ def worker_main(config: dict[str, Any]) -> None:
             ray.get(broker.post_result.remote(rank, generation, cmd["id"], {"stopped": True}), timeout=60)
             return
         try:
-            payload = ray.get(cmd["payload"]["_ref"], timeout=600)
+            payload = unpack(cmd["payload"])
             result = _dispatch(worker, cmd["op"], payload, rank, float(config.get("save_timeout_s", 300)))
-            result = {"_ref": ray.put(result)}  # bulky results travel through the object store
+            result = pack(result)  # inline when small, else through the object store
         except Exception as exc:
             log.exception("rank %d failed on %s", rank, cmd["op"])
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

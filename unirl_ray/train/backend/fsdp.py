@@ -30,7 +30,13 @@ from unirl_ray.train.backend import checkpoint, dcp_io
 from unirl_ray.train.backend.ema import AdapterEma, MirrorEma, exchange_, local
 from unirl_ray.train.backend.lora import inject_lora, tuner_layers
 from unirl_ray.train.backend.offload import StorageOffloader
-from unirl_ray.train.backend.wrap import apply_fsdp, build_mesh, fsdp_modules, reshard_all
+from unirl_ray.train.backend.wrap import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    build_mesh,
+    fsdp_modules,
+    reshard_all,
+)
 from unirl_ray.train.configs import (
     EmaFullConfig,
     EmaLoraConfig,
@@ -134,13 +140,16 @@ class FSDPBackend:
         module.to(device)
         if self.ema_full_cfg is not None:
             self.mirror_ema = MirrorEma.plan(module, self.ema_full_cfg)
-        if self._distributed:
+        if self._shards():
             mesh = build_mesh(self.fsdp_cfg, self.device)
             for m in (module, self.reference_module):
                 if m is not None:
                     apply_fsdp(m, cfg=self.fsdp_cfg, mesh=mesh, device=self.device, block_class_names=self.block_class_names)
-        elif self.fsdp_cfg.cpu_offload:
-            log.warning("FSDPConfig.cpu_offload is ignored: no process group, the module is used unsharded on %s", device)
+        else:
+            if self.fsdp_cfg.activation_checkpointing:
+                apply_activation_checkpointing(module, self.block_class_names)
+            if self.fsdp_cfg.cpu_offload:
+                log.warning("FSDPConfig.cpu_offload is ignored: no process group, the module is used unsharded on %s", device)
         self.module = module
         if self.mirror_ema is not None:
             self.mirror_ema.materialize(module)
@@ -149,6 +158,17 @@ class FSDPBackend:
             if m is not None:
                 m.register_forward_pre_hook(self._refuse_when_offloaded, prepend=True)
         self._build_optimizer()
+
+    def _shards(self) -> bool:
+        """Whether to wrap with FSDP2. A single rank in full precision without CPU offload runs the
+        module unwrapped: FSDP2 would only add per-block hooks and copies there (nothing to shard)."""
+        if not self._distributed:
+            return False
+        cfg = self.fsdp_cfg
+        single = dist.get_world_size() == 1 and not cfg.cpu_offload and cfg.param_dtype == "float32"
+        if single:
+            log.info("one train rank in float32: the module runs without the FSDP2 wrap (nothing to shard)")
+        return not single
 
     @property
     def _distributed(self) -> bool:

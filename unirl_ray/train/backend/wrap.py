@@ -42,14 +42,23 @@ def apply_fsdp(module: nn.Module, *, cfg: FSDPConfig, mesh: Any, device: torch.d
     from torch.distributed.fsdp import fully_shard
 
     kwargs = fsdp_kwargs(cfg, mesh, device)
-    blocks = [m for m in module.modules() if type(m).__name__ in block_class_names]
-    for block in blocks:
-        if cfg.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(block)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(module, block_class_names)
+    for block in _blocks(module, block_class_names):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
+
+
+def apply_activation_checkpointing(module: nn.Module, block_class_names: list[str]) -> None:
+    """Recompute each block's activations in backward instead of keeping them (before any ``fully_shard``)."""
+    from torch.distributed._composable import checkpoint
+
+    for block in _blocks(module, block_class_names):
+        checkpoint(block)
+
+
+def _blocks(module: nn.Module, block_class_names: list[str]) -> list[nn.Module]:
+    return [m for m in module.modules() if type(m).__name__ in block_class_names]
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:

@@ -88,6 +88,8 @@ def test_train_step_lowers_loss_and_counts_optimizer_steps():
         last = stack.train(samples, seed=0)
     assert last.metrics["train/loss"] < first.metrics["train/loss"]
     assert last.metrics["train/grad_norm"] > 0
+    m = last.metrics
+    assert 0 < m["timing/forward_backward"] + m["timing/optimizer_step"] <= m["timing/train_step"]
 
 
 def test_multi_update_refused_without_support():

@@ -109,12 +109,16 @@ class TrainStack:
         opt_metrics: dict[str, float] = {}
         n_opt = 0
         gen = torch.Generator().manual_seed(seed)
+        t_loss = t_opt = 0.0
         for epoch in range(self.cfg.num_updates_per_batch):
             order = torch.randperm(len(samples), generator=gen).tolist()
             for start in range(0, len(samples), mini):
                 batch = [samples[i] for i in order[start : start + mini]]
+                t1 = time.perf_counter()
                 self._accumulate(sums, self._mini_batch(batch, segment, first_pass=n_opt == 0))
+                t2 = time.perf_counter()
                 step = self.backend.optimizer_step(self.cfg.max_grad_norm)
+                t_loss, t_opt = t_loss + t2 - t1, t_opt + time.perf_counter() - t2
                 n_opt += 1
                 for k, v in step.items():
                     opt_metrics[k] = opt_metrics.get(k, 0.0) + v
@@ -123,6 +127,8 @@ class TrainStack:
         metrics = self._reduce(sums, opt_metrics, n_opt)
         metrics.update(ema_metrics)
         metrics["timing/train_step"] = time.perf_counter() - t0
+        metrics["timing/forward_backward"] = t_loss  # loss + backward of every micro-batch (rank 0)
+        metrics["timing/optimizer_step"] = t_opt  # clip + AdamW + schedule (rank 0)
         return TrainStepResult(
             metrics=metrics,
             policy_version=self.policy_version,

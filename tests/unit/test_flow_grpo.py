@@ -177,3 +177,54 @@ def test_real_tiny_sd3_first_update_ratio_one_then_moves():
     assert m2["approx_kl"] / m2["count"] > 1e-8  # the update moved the log-probs
     assert m2["kl"] > 0 and m2["clip_frac"] > 0
     assert all(math.isfinite(v) for v in m2.values())
+
+
+def test_only_sde_steps_are_candidates_for_training():
+    """ODE steps (recorded log-prob NaN, outside an SDE window) are never trained."""
+    samples = make_samples(6, [0.0] * 4)
+    windows = [(1, 3), (2, 4), (0, 2), (4, 6)]
+    for s, (lo, hi) in zip(samples, windows):
+        s.parts[0].log_probs[:lo] = math.nan
+        s.parts[0].log_probs[hi:] = math.nan
+    seg = FlowGRPO(group_size=2).prepare_segment(samples, seed=0)
+    for s, (lo, hi) in zip(samples, windows):
+        assert seg["timesteps"][s.sample_id].tolist() == list(range(lo, hi))
+    half = FlowGRPO(group_size=2, timestep_fraction=0.5).prepare_segment(samples, seed=0)["timesteps"]
+    for s, (lo, hi) in zip(samples, windows):
+        (j,) = half[s.sample_id].tolist()
+        assert lo <= j < hi
+    ode = make_samples(3, [0.0])
+    ode[0].parts[0].log_probs[:] = math.nan
+    with pytest.raises(ValueError, match="sde_window_size"):
+        FlowGRPO(group_size=2).prepare_segment(ode, seed=0)
+    samples[0].parts[0].log_probs[1] = math.nan  # one SDE step fewer than the others
+    with pytest.raises(ValueError, match="same number of SDE steps"):
+        FlowGRPO(group_size=2).prepare_segment(samples, seed=0)
+
+
+def test_real_tiny_sd3_sde_window_with_shared_noise_keeps_ratio_one():
+    from unirl_ray.models.sd3 import SD3Bundle, SD3Pipeline, SD3PipelineConfig
+
+    bundle = SD3Bundle.from_config(SD3PipelineConfig())
+    pipe = SD3Pipeline(bundle, num_inference_steps=4, height=32, width=32, sde_window_size=2, share_initial_noise=True)
+    policy = bundle.transformer
+    algo = FlowGRPO(group_size=2, clip_range=0.2, pipeline=pipe)
+    groups, seeds = ["g0", "g0", "g1", "g1"], [0, 1, 2, 3]
+    samples = []
+    for i, (part, image) in enumerate(pipe.sample(["a", "a", "b", "b"], seeds, group_ids=groups)):
+        s = Sample(sample_id=f"s0-{i}", group_id=groups[i], prompt="ab"[i // 2], parts=[part], image=image)
+        s.reward = float(image.mean()) / 255.0
+        samples.append(s)
+    assert torch.equal(samples[0].parts[0].latents[0], samples[1].parts[0].latents[0])
+    algo.compute_advantages(samples)
+    seg = algo.prepare_segment(samples, seed=0)
+    for s, mask in zip(samples, pipe.sde_steps(seeds)):
+        assert seg["timesteps"][s.sample_id].tolist() == mask.nonzero().flatten().tolist()
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    m = algo.compute_loss_and_backward(samples, seg, ctx_for(policy))
+    assert m["count"] == 8 and m["logp_gap"] / m["logp_gap_count"] < 1e-5
+    assert m["ratio"] / m["count"] == pytest.approx(1.0, abs=1e-5)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    m2 = algo.compute_loss_and_backward(samples, seg, ctx_for(policy, first_pass=False))
+    assert m2["approx_kl"] / m2["count"] > 1e-8 and all(math.isfinite(v) for v in m2.values())

@@ -1,5 +1,6 @@
 """Tiny SD3: offline build, Flow-GRPO sampling shapes, finite and exactly recomputable log-probs."""
 
+import dataclasses
 import json
 import time
 
@@ -165,3 +166,86 @@ def test_save_and_load_local_folder(tmp_path):
         assert torch.equal(v, ref[k]), k
     part, _ = SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32).sample(["a"], [0])[0]
     assert torch.isfinite(part.log_probs).all()
+
+
+# ------------------------------------------------------------------ sampling variants (recipe options)
+
+
+def euler_step(pipe, module, part, j):
+    """The ODE step latents[j] -> x + v dt, recomputed from the recorded part."""
+    batch = pipe.collate([part])
+    x, sigmas = batch["latents"][:, j], batch["sigmas"]
+    with torch.no_grad():
+        v = pipe.velocity(module, batch, x, sigmas[:, j])
+    return x + v * (sigmas[:, j + 1] - sigmas[:, j]).reshape(-1, 1, 1, 1)
+
+
+def test_sde_window_records_ode_steps_as_nan_and_keeps_exact_log_probs(bundle):
+    pipe = SD3Pipeline(bundle, num_inference_steps=6, height=32, width=32, sde_window_size=2, sde_window_range=[1, 5])
+    seeds = [3, 4, 5, 6, 7, 8]
+    parts = [p for p, _ in pipe.sample(["a"] * len(seeds), seeds)]
+    starts = set()
+    for part, mask in zip(parts, pipe.sde_steps(seeds)):
+        finite = torch.isfinite(part.log_probs)
+        assert torch.equal(finite, mask) and int(mask.sum()) == 2
+        window = mask.nonzero().flatten().tolist()
+        assert window[1] == window[0] + 1 and 1 <= window[0] <= 3
+        starts.add(window[0])
+        for j in (~mask).nonzero().flatten().tolist():  # outside the window: deterministic Euler steps
+            assert torch.allclose(part.latents[j + 1], euler_step(pipe, bundle.transformer, part, j)[0], atol=1e-5)
+    assert len(starts) > 1  # the start is drawn per sample
+    batch = pipe.collate(parts)
+    window = torch.stack([pipe.sde_steps([s])[0].nonzero()[0, 0] for s in seeds])
+    lp, _, _ = pipe.step_log_prob(bundle.transformer, batch, window)
+    assert torch.allclose(lp, batch["log_probs"][torch.arange(len(seeds)), window], atol=1e-5, rtol=0)
+    fixed = SD3Pipeline(bundle, num_inference_steps=6, height=32, width=32, sde_window_size=2, sde_window_range=[2, 4])
+    assert fixed.sde_steps(seeds)[:, 2:4].all() and fixed.sde_steps(seeds).sum() == 2 * len(seeds)
+    full = SD3Pipeline(bundle, num_inference_steps=6, height=32, width=32)
+    assert full.sde_steps(seeds).all()
+
+
+def test_ode_sampling_is_deterministic_given_the_initial_noise(bundle):
+    ode = SD3Pipeline(bundle, num_inference_steps=3, height=32, width=32, sde_window_size=0)
+    sde = SD3Pipeline(bundle, num_inference_steps=3, height=32, width=32)
+    (part, _), = ode.sample(["a"], [9])
+    (noisy, _), = sde.sample(["a"], [9])
+    assert torch.isnan(part.log_probs).all() and torch.equal(part.latents[0], noisy.latents[0])
+    assert not torch.allclose(part.latents[-1], noisy.latents[-1])
+    x = part.latents[0]
+    for j in range(3):  # integrate the ODE again from x_0 only
+        latents = part.latents.clone()
+        latents[j] = x
+        x = euler_step(ode, bundle.transformer, dataclasses.replace(part, latents=latents), j)[0]
+        assert torch.allclose(x, part.latents[j + 1], atol=1e-5)
+
+
+def test_shared_initial_noise_within_groups(bundle):
+    shared = SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32, share_initial_noise=True)
+    assert shared.needs_group_ids
+    assert not SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32).needs_group_ids
+    groups = ["s0-p0", "s0-p0", "s0-p1", "s0-p1"]
+    parts = [p for p, _ in shared.sample(["a", "a", "b", "b"], [1, 2, 3, 4], group_ids=groups)]
+    assert torch.equal(parts[0].latents[0], parts[1].latents[0])
+    assert torch.equal(parts[2].latents[0], parts[3].latents[0])
+    assert not torch.allclose(parts[0].latents[0], parts[2].latents[0])
+    assert not torch.allclose(parts[0].latents[1], parts[1].latents[1])  # the SDE noise still differs
+    alone = shared.sample(["a"], [7], group_ids=["s0-p0"])[0][0]
+    assert torch.equal(alone.latents[0], parts[0].latents[0])  # the group's noise, whatever the batch
+    with pytest.raises(ValueError, match="group_ids"):
+        shared.sample(["a"], [1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(sde_window_size=5), "sde_window_size"),
+        (dict(sde_window_size=-1), "sde_window_size"),
+        (dict(sde_window_range=[0, 2]), "needs sde_window_size"),
+        (dict(sde_window_size=2, sde_window_range=[1, 2]), "hi - lo >= sde_window_size"),
+        (dict(sde_window_size=1, sde_window_range=[0, 5]), "lo < hi <= num_inference_steps"),
+        (dict(sde_window_size=1, sde_window_range=[0, 1, 2]), "two ints"),
+    ],
+)
+def test_bad_sde_window_settings_raise(bundle, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SD3Pipeline(bundle, num_inference_steps=4, height=32, width=32, **kwargs)

@@ -2,7 +2,18 @@
 
 from unirl_ray.algorithms.advantages import group_advantages
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.algorithms.diffusion_nft import DiffusionNFT
 from unirl_ray.algorithms.flow_grpo import FlowGRPO
 from unirl_ray.algorithms.grpo import DAPO, GRPO, RLOO, DrGRPO
 
-__all__ = ["DAPO", "GRPO", "RLOO", "DrGRPO", "FlowGRPO", "LossContext", "StageAlgorithm", "group_advantages"]
+__all__ = [
+    "DAPO",
+    "GRPO",
+    "RLOO",
+    "DiffusionNFT",
+    "DrGRPO",
+    "FlowGRPO",
+    "LossContext",
+    "StageAlgorithm",
+    "group_advantages",
+]

@@ -26,6 +26,9 @@ class LossContext:
     """The trainable module (FSDP2-wrapped on the train workers)."""
     reference: Callable[[], AbstractContextManager[torch.nn.Module]] | None
     """Context manager factory yielding the frozen reference module (``None``: no reference)."""
+    shadow_policy: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None
+    """Context manager factory yielding the policy with its EMA shadow adapter active: the "old" /
+    sampling policy of DiffusionNFT (``backend.ema_lora_cfg``; ``None`` without one)."""
     loss_scale: float
     """Multiply the loss by this before ``backward`` (micro-batch share of the optimizer step)."""
     first_pass: bool

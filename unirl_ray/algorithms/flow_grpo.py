@@ -13,6 +13,14 @@ where the KL term is the exact KL between the policy's and the reference's Gauss
 ``clip_range``. ``logp_old`` are the behaviour log-probs recorded while sampling (pi_old is frozen in
 ``prepare_segment``); with train-side on-policy sampling they are exact, so the first update has
 ratio 1 up to float rounding.
+
+Variants are options, not forks:
+
+- Flow-GRPO-Fast / MixGRPO: ``pipeline.sde_window_size`` makes only a window of steps stochastic;
+  the ODE steps outside it carry log-prob NaN and are never trained (only steps with a finite
+  recorded log-prob are candidates). ``timestep_fraction`` trains a random subset of those.
+- DanceGRPO's shared initial noise within a group: ``pipeline.share_initial_noise``.
+- CFG on/off: ``pipeline.guidance_scale`` (1 = off); KL to the reference on/off: ``kl_beta`` (0 = off).
 """
 
 from __future__ import annotations
@@ -36,10 +44,10 @@ def diffusion_part(sample: Sample) -> DiffusionPart:
     for part in sample.parts:
         if isinstance(part, DiffusionPart):
             return part
-    raise ValueError(f"sample {sample.sample_id!r} has no DiffusionPart; Flow-GRPO trains diffusion trajectories")
+    raise ValueError(f"sample {sample.sample_id!r} has no DiffusionPart; this algorithm trains diffusion trajectories")
 
 
-def _segment_seed(seed: int, sample_id: str) -> int:
+def segment_seed(seed: int, sample_id: str) -> int:
     """Stable (process-independent) seed for one sample's random choices."""
     return zlib.crc32(f"{seed}:{sample_id}".encode())
 
@@ -74,6 +82,15 @@ class FlowGRPO(StageAlgorithm):
         timestep_fraction: float = 1.0,
         pipeline: Any = None,
     ) -> None:
+        """
+        Args:
+            group_size: Samples per prompt; advantages are relative to the group.
+            clip_range: PPO clip epsilon of the importance ratio.
+            adv_clip_max: Advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
+            normalize_std: Divide group advantages by the group's reward std.
+            kl_beta: Weight of the exact KL to the reference's Gaussian transitions (0 disables it).
+            timestep_fraction: Fraction of each trajectory's SDE steps trained (a random subset, at least one).
+        """
         super().__init__(pipeline=pipeline)
         if not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"group_size must be an int >= 2 (group-relative advantages), got {group_size!r}")
@@ -112,23 +129,36 @@ class FlowGRPO(StageAlgorithm):
         return metrics
 
     def num_train_steps(self, num_steps: int) -> int:
-        """Trained steps per trajectory of ``num_steps`` steps: ``max(1, round(T * timestep_fraction))``."""
+        """Trained steps per trajectory of ``num_steps`` SDE steps: ``max(1, round(T * timestep_fraction))``."""
         return max(1, min(num_steps, round(num_steps * self.timestep_fraction)))
 
     def prepare_segment(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
         """Pick each sample's trained step indices (sorted, from ``seed`` and its id); freeze pi_old.
 
-        Returns ``{"timesteps": {sample_id: LongTensor[K]}, "old_log_probs": {sample_id: Tensor[T]}}``.
+        Candidates are the steps with a finite recorded log-prob (the SDE steps; ODE steps outside
+        an SDE window hold NaN). Returns ``{"timesteps": {sample_id: LongTensor[K]},
+        "old_log_probs": {sample_id: Tensor[T]}}``.
         """
         timesteps: dict[str, torch.Tensor] = {}
         old: dict[str, torch.Tensor] = {}
         for s in samples:
             part = diffusion_part(s)
-            steps = part.num_steps
-            gen = torch.Generator().manual_seed(_segment_seed(seed, s.sample_id))
-            chosen = torch.randperm(steps, generator=gen)[: self.num_train_steps(steps)]
-            timesteps[s.sample_id] = chosen.sort().values
+            sde_steps = torch.isfinite(part.log_probs).nonzero().flatten()
+            if sde_steps.numel() == 0:
+                raise ValueError(
+                    f"sample {s.sample_id!r} has no SDE step to train (every recorded log-prob is NaN: ODE sampling); "
+                    "Flow-GRPO needs pipeline.sde_window_size >= 1 or null"
+                )
+            gen = torch.Generator().manual_seed(segment_seed(seed, s.sample_id))
+            pick = torch.randperm(sde_steps.numel(), generator=gen)[: self.num_train_steps(sde_steps.numel())]
+            timesteps[s.sample_id] = sde_steps[pick].sort().values
             old[s.sample_id] = part.log_probs.detach().float().clone()
+        counts = {int(t.numel()) for t in timesteps.values()}
+        if len(counts) > 1:
+            raise ValueError(
+                f"samples of one shard have different numbers of trained steps {sorted(counts)}; every trajectory "
+                "must have the same number of SDE steps (same num_inference_steps and sde_window_size)"
+            )
         return {"timesteps": timesteps, "old_log_probs": old}
 
     def _advantages(self, samples: list[Sample]) -> torch.Tensor:

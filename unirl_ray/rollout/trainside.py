@@ -38,8 +38,6 @@ class TrainsideRollout:
             sampling_policy: Weights that sample: ``trainable`` (the module being trained), ``shadow``
                 (the EMA shadow adapter of ``backend.ema_lora_cfg``, DiffusionNFT's old policy) or
                 ``auto`` (``shadow`` when the backend has ``ema_lora_cfg``, else ``trainable``).
-            pipeline: The built ``pipeline:`` section (injected).
-            backend: The train rank's ``FSDPBackend`` (injected).
         """
         if micro_batch_size < 1:
             raise ValueError(f"rollout.micro_batch_size must be >= 1, got {micro_batch_size}")

@@ -15,6 +15,16 @@ The log-prob of a transition is the Gaussian log-density of ``x_next`` under
 recorded one up to float rounding. All SDE math runs in float32; the transformer runs in the
 bundle's dtype.
 
+Sampling variants (recipe options, see ``SD3Pipeline``):
+
+- SDE window (MixGRPO, Flow-GRPO-Fast): only ``sde_window_size`` consecutive steps are SDE steps;
+  the others are deterministic Euler (ODE) steps ``x_next = x + v dt``, recorded with log-prob
+  ``NaN`` (a deterministic transition has no density). Algorithms train only steps with a finite
+  log-prob. ``sde_window_size=0`` samples the whole trajectory with the ODE (DiffusionNFT).
+- Initial-noise sharing (DanceGRPO): the samples of one group start from the same noise, drawn
+  from the group id; their per-step SDE noise still comes from their own seeds.
+- CFG: ``guidance_scale > 1`` guides both sampling and recomputation; 1 disables it.
+
 Shapes: ``B`` batch, ``T`` steps, ``latent_shape`` = ``[C, h, w]`` (``h = H / vae_scale_factor``);
 per-sample scalars are ``[B]`` and broadcast over the latent axes (a video time axis would just be
 one more latent axis).
@@ -23,6 +33,7 @@ one more latent axis).
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import torch
@@ -91,7 +102,27 @@ class SD3Pipeline:
         guidance_scale: float = 1.0,
         noise_level: float = 0.7,
         max_sequence_length: int = 77,
+        sde_window_size: int | None = None,
+        sde_window_range: list[int] | tuple[int, int] | None = None,
+        share_initial_noise: bool = False,
     ) -> None:
+        """
+        Args:
+            num_inference_steps: Denoising steps T per trajectory.
+            height: Image height in pixels (a multiple of the model's latent factor).
+            width: Image width in pixels (a multiple of the model's latent factor).
+            guidance_scale: Classifier-free guidance weight; 1 disables CFG (no negative prompt pass).
+            noise_level: Flow-GRPO SDE noise scale eta of the SDE steps (> 0).
+            max_sequence_length: T5 prompt tokens.
+            sde_window_size: SDE steps per trajectory (MixGRPO / Flow-GRPO-Fast); the other steps are
+                deterministic ODE steps that are recorded with log-prob NaN and never trained; 0
+                samples with the ODE only (DiffusionNFT); None: every step is an SDE step.
+            sde_window_range: ``[lo, hi)``: step indices the window may cover; its start is drawn
+                uniformly in ``[lo, hi - sde_window_size]`` per sample from the sample's seed
+                (``hi - lo == sde_window_size`` fixes it); None: ``[0, num_inference_steps)``.
+            share_initial_noise: DanceGRPO: the samples of a group start from the same initial noise
+                (drawn from the group id); per-step SDE noise still differs. Callers pass ``group_ids``.
+        """
         self.bundle = bundle
         self.num_inference_steps = num_inference_steps
         self.height = height
@@ -99,6 +130,9 @@ class SD3Pipeline:
         self.guidance_scale = guidance_scale
         self.noise_level = noise_level
         self.max_sequence_length = max_sequence_length
+        self.sde_window_size = sde_window_size
+        self.sde_window_range = tuple(sde_window_range) if sde_window_range is not None else None
+        self.share_initial_noise = bool(share_initial_noise)
         self.validate()
         self.num_train_timesteps = int(bundle.scheduler.config.get("num_train_timesteps", 1000))
         self._sigmas = self._compute_sigmas()
@@ -115,6 +149,36 @@ class SD3Pipeline:
             raise ValueError(f"guidance_scale must be >= 1 (1 disables CFG), got {self.guidance_scale}")
         if self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
+        self._validate_sde_window()
+
+    def _validate_sde_window(self) -> None:
+        steps, size, span = self.num_inference_steps, self.sde_window_size, self.sde_window_range
+        if size is None:
+            if span is not None:
+                raise ValueError(
+                    f"sde_window_range={list(span)} needs sde_window_size (the number of SDE steps in the window); "
+                    "set sde_window_size or remove sde_window_range"
+                )
+            return
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= steps:
+            raise ValueError(
+                f"sde_window_size must be an int in [0, num_inference_steps={steps}] (0: ODE only), got {size!r}"
+            )
+        if span is None:
+            return
+        if len(span) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in span):
+            raise ValueError(f"sde_window_range must be two ints [lo, hi), got {list(span)!r}")
+        lo, hi = span
+        if not (0 <= lo < hi <= steps and hi - lo >= size):
+            raise ValueError(
+                f"sde_window_range=[{lo}, {hi}) must satisfy 0 <= lo < hi <= num_inference_steps={steps} and "
+                f"hi - lo >= sde_window_size={size}"
+            )
+
+    @property
+    def needs_group_ids(self) -> bool:
+        """Whether ``sample`` needs ``group_ids`` (initial-noise sharing is on)."""
+        return self.share_initial_noise
 
     @property
     def do_cfg(self) -> bool:
@@ -216,15 +280,54 @@ class SD3Pipeline:
         """[B, *latent_shape] float32 CPU noise, one generator per sample."""
         return torch.stack([torch.randn(self.latent_shape, generator=g) for g in generators])
 
+    def sde_steps(self, seeds: list[int]) -> torch.Tensor:
+        """[B, T] bool: which steps of each sample's trajectory are SDE steps (the rest are ODE steps).
+
+        All steps without an SDE window; otherwise ``sde_window_size`` consecutive steps whose start
+        is drawn from the sample's seed within ``sde_window_range`` (batch-independent).
+        """
+        steps, size = self.num_inference_steps, self.sde_window_size
+        if size is None:
+            return torch.ones(len(seeds), steps, dtype=torch.bool)
+        lo, hi = self.sde_window_range or (0, steps)
+        mask = torch.zeros(len(seeds), steps, dtype=torch.bool)
+        for b, seed in enumerate(seeds):
+            gen = torch.Generator().manual_seed(zlib.crc32(f"sde-window:{int(seed)}".encode()))
+            start = lo + int(torch.randint(hi - size - lo + 1, (1,), generator=gen))
+            mask[b, start : start + size] = True
+        return mask
+
+    def _initial_noise(self, generators: list[torch.Generator], group_ids: list[str] | None) -> torch.Tensor:
+        """[B, *latent_shape] x_0; drawn from each sample's generator (advancing it in either case),
+        then replaced by the group's noise when ``share_initial_noise``."""
+        x = self._noise(generators)
+        if not self.share_initial_noise:
+            return x
+        if group_ids is None or len(group_ids) != len(generators):
+            raise ValueError(
+                "share_initial_noise=True needs group_ids (one per prompt) in SD3Pipeline.sample: the samples of a "
+                "group share their initial noise; this caller passed none (use the trainside rollout, or set it false)"
+            )
+        shared = {g: torch.Generator().manual_seed(zlib.crc32(f"group-noise:{g}".encode())) for g in set(group_ids)}
+        noise = {g: torch.randn(self.latent_shape, generator=gen) for g, gen in shared.items()}
+        return torch.stack([noise[g] for g in group_ids])
+
     @torch.no_grad()
     def sample(
-        self, prompts: list[str], seeds: list[int], *, module: torch.nn.Module | None = None
+        self,
+        prompts: list[str],
+        seeds: list[int],
+        *,
+        module: torch.nn.Module | None = None,
+        group_ids: list[str] | None = None,
     ) -> list[tuple[DiffusionPart, np.ndarray]]:
         """Sample one image per prompt with the Flow-GRPO SDE; returns (trajectory part, [H, W, 3] uint8).
 
         ``module`` is the transformer to call (default ``bundle.transformer``; train workers pass
         their FSDP2-wrapped one). Sample ``i`` draws its initial and per-step noise from a CPU
         generator seeded with ``seeds[i]``, so it does not depend on the batch it is drawn in.
+        ``group_ids`` (one per prompt) are needed with ``share_initial_noise``. Steps outside the SDE
+        window are Euler ODE steps with recorded log-prob NaN.
         """
         if len(prompts) != len(seeds):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
@@ -236,14 +339,17 @@ class SD3Pipeline:
         b, steps = len(prompts), self.num_inference_steps
         sigmas = self._sigmas.to(device).expand(b, -1)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        x = self._noise(gens).to(device)
+        sde = self.sde_steps(seeds).to(device)
+        x = self._initial_noise(gens, group_ids).to(device)
         traj, logps = [x], []
         for i in range(steps):
             idx = torch.full((b,), i, dtype=torch.long, device=device)
             v = self._velocity(module, x, sigmas[:, i], cond)
             mean, std = self._sde_stats(x, v, sigmas, idx)
-            x = mean + _bcast(std, mean) * self._noise(gens).to(device)
-            logps.append(gaussian_log_prob(x, mean, std))
+            x_sde = mean + _bcast(std, mean) * self._noise(gens).to(device)
+            x_ode = x + v * _bcast(sigmas[:, i + 1] - sigmas[:, i], v)
+            x = torch.where(_bcast(sde[:, i], x_sde), x_sde, x_ode)
+            logps.append(torch.where(sde[:, i], gaussian_log_prob(x, mean, std), torch.nan))
             traj.append(x)
         images = self.decode(x)
         latents = torch.stack(traj, dim=1).cpu()
@@ -287,6 +393,18 @@ class SD3Pipeline:
             batch[k] = torch.stack([p.cond[k] for p in parts])
         return batch
 
+    def velocity(
+        self, module: torch.nn.Module, batch: dict[str, torch.Tensor], x: torch.Tensor, sigma: torch.Tensor
+    ) -> torch.Tensor:
+        """(Guided) velocity [B, ...] float32 of ``module`` at latents ``x`` [B, ...] and noise levels
+        ``sigma`` [B], conditioned on the prompts of ``batch`` (from ``collate``); with grad.
+
+        The forward-process losses (DiffusionNFT) use it on noised clean samples.
+        """
+        device = _module_device(module)
+        cond = {k: batch[k].to(device) for k in self._cond_keys()}
+        return self._velocity(module, x.to(device=device, dtype=torch.float32), sigma.to(device), cond)
+
     def step_log_prob(
         self, module: torch.nn.Module, batch: dict[str, torch.Tensor], step_index: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -308,3 +426,18 @@ class SD3Pipeline:
         v = self._velocity(module, x, sigmas[rows, idx], cond)
         mean, std = self._sde_stats(x, v, sigmas, idx)
         return gaussian_log_prob(x_next, mean, std), mean, std
+
+    @torch.no_grad()
+    def encode_images(
+        self, pixels: torch.Tensor, generators: list[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        """Images [B, 3, H, W] in [-1, 1] -> float32 latents [B, *latent_shape], the inverse of ``decode``:
+        a sample of the VAE posterior (one CPU generator per image; its mode without), shifted and scaled.
+
+        Supervised flow matching (``unirl_ray.algorithms.SFT``) noises these clean latents.
+        """
+        vae = self.bundle.vae
+        posterior = vae.encode(pixels.to(device=self.bundle.device, dtype=vae.dtype)).latent_dist
+        z = posterior.mode() if generators is None else posterior.sample(generator=generators)
+        shift = vae.config.get("shift_factor", None) or 0.0
+        return (z.float() - shift) * vae.config.scaling_factor

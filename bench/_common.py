@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}
+
+
+def offline_env() -> None:
+    """No hub downloads, telemetry or tokenizer threads (set before torch / transformers / ray load)."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def median(values: list[float]) -> float:

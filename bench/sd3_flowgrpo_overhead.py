@@ -35,18 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-}.items():
-    os.environ.setdefault(_key, _value)
+from _common import cpu_seconds, median, offline_env  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+offline_env()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import cpu_seconds, median  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 REPO = Path(__file__).resolve().parent.parent

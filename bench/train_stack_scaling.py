@@ -44,16 +44,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
+from _common import cpu_seconds, median, offline_env  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+offline_env()
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from _common import cpu_seconds, median  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -112,29 +112,11 @@ class SD3Bundle:
     def diffusers_pipeline(self) -> StableDiffusion3Pipeline:
         """A ``StableDiffusion3Pipeline`` over these components (used for prompt encoding)."""
         if self._pipe is None:
-            self._pipe = StableDiffusion3Pipeline(
-                transformer=self.transformer,
-                scheduler=self.scheduler,
-                vae=self.vae,
-                text_encoder=self.text_encoder,
-                tokenizer=self.tokenizer,
-                text_encoder_2=self.text_encoder_2,
-                tokenizer_2=self.tokenizer_2,
-                text_encoder_3=self.text_encoder_3,
-                tokenizer_3=self.tokenizer_3,
-            )
+            self._pipe = self._new_pipeline()
         return self._pipe
 
-    def save_pretrained(self, directory: str) -> str:
-        """Write every component as a diffusers ``StableDiffusion3Pipeline`` folder; returns its ``transformer/``.
-
-        The folder holds ``model_index.json`` and ``transformer/``, ``vae/``, ``text_encoder{,_2,_3}/``,
-        ``tokenizer{,_2,_3}/`` and ``scheduler/`` (no ``text_encoder_3`` / ``tokenizer_3`` weights when
-        the bundle has no T5). It loads with ``StableDiffusion3Pipeline.from_pretrained(directory)``, its
-        transformer alone with ``SD3Transformer2DModel.from_pretrained(directory, subfolder="transformer")``,
-        and it is a valid ``pretrained_model_ckpt_path``.
-        """
-        pipe = StableDiffusion3Pipeline(  # built anew: the cached pipeline may hold replaced components
+    def _new_pipeline(self) -> StableDiffusion3Pipeline:
+        return StableDiffusion3Pipeline(
             transformer=self.transformer,
             scheduler=self.scheduler,
             vae=self.vae,
@@ -145,6 +127,17 @@ class SD3Bundle:
             text_encoder_3=self.text_encoder_3,
             tokenizer_3=self.tokenizer_3,
         )
+
+    def save_pretrained(self, directory: str) -> str:
+        """Write every component as a diffusers ``StableDiffusion3Pipeline`` folder; returns its ``transformer/``.
+
+        The folder holds ``model_index.json`` and ``transformer/``, ``vae/``, ``text_encoder{,_2,_3}/``,
+        ``tokenizer{,_2,_3}/`` and ``scheduler/`` (no ``text_encoder_3`` / ``tokenizer_3`` weights when
+        the bundle has no T5). It loads with ``StableDiffusion3Pipeline.from_pretrained(directory)``, its
+        transformer alone with ``SD3Transformer2DModel.from_pretrained(directory, subfolder="transformer")``,
+        and it is a valid ``pretrained_model_ckpt_path``.
+        """
+        pipe = self._new_pipeline()  # built anew: the cached pipeline may hold replaced components
         os.makedirs(directory, exist_ok=True)
         pipe.save_pretrained(directory)
         return os.path.join(directory, "transformer")

@@ -52,7 +52,29 @@ def exchange_(pairs: list[Pair]) -> None:
         lb.copy_(held)
 
 
-class AdapterEma:
+class _Ema:
+    """What both EMAs share: ``pairs()`` of (live, shadow) tensors, the decay schedule of ``cfg`` and
+    the count of updates applied."""
+
+    cfg: EmaLoraConfig | EmaFullConfig
+    updates: int
+
+    def pairs(self) -> list[Pair]:
+        raise NotImplementedError  # both subclasses define it
+
+    def update(self) -> float:
+        """One EMA step ``shadow = d * shadow + (1 - d) * live``; returns the decay ``d`` used."""
+        decay = self.cfg.decay(self.updates)
+        ema_update_(self.pairs(), decay)
+        self.updates += 1
+        return decay
+
+    def reset_to_live(self) -> None:
+        """Restart the EMA from the live weights (a checkpoint without this shadow was loaded)."""
+        ema_update_(self.pairs(), 0.0)
+
+
+class AdapterEma(_Ema):
     """The NFT adapter pair on ``module``: ``cfg.default_adapter`` trains, ``cfg.shadow_adapter`` is its EMA."""
 
     def __init__(self, module: nn.Module, cfg: EmaLoraConfig) -> None:
@@ -83,15 +105,6 @@ class AdapterEma:
         ids = {id(p) for p in adapter_parameters(self.module, self.cfg.shadow_adapter)}
         return {name for name, p in self.module.named_parameters() if id(p) in ids}
 
-    def update(self) -> float:
-        decay = self.cfg.decay(self.updates)
-        ema_update_(self.pairs(), decay)
-        self.updates += 1
-        return decay
-
-    def reset_to_live(self) -> None:
-        """Restart the EMA from the trainable adapter (a checkpoint without the shadow was loaded)."""
-        ema_update_(self.pairs(), 0.0)
 
     @contextlib.contextmanager
     def shadow_active(self) -> Iterator[nn.Module]:
@@ -103,7 +116,7 @@ class AdapterEma:
             activate_adapter(self.module, self.cfg.default_adapter)
 
 
-class MirrorEma:
+class MirrorEma(_Ema):
     """Shadow tensors of the trainable parameters of ``module`` (``EmaFullConfig``)."""
 
     def __init__(self, cfg: EmaFullConfig, names: list[str]) -> None:
@@ -144,12 +157,3 @@ class MirrorEma:
         params = dict(self.module.named_parameters())
         return [(params[n], self.shadow[self.shadow_name(self.cfg, n)]) for n in self.names]
 
-    def update(self) -> float:
-        decay = self.cfg.decay(self.updates)
-        ema_update_(self.pairs(), decay)
-        self.updates += 1
-        return decay
-
-    def reset_to_live(self) -> None:
-        """Restart the EMA from the current weights (a checkpoint without this shadow was loaded)."""
-        ema_update_(self.pairs(), 0.0)

@@ -18,6 +18,7 @@ swap back is exact and the extra memory is one tensor, not one model.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from typing import Iterator
 
@@ -52,15 +53,16 @@ def exchange_(pairs: list[Pair]) -> None:
         lb.copy_(held)
 
 
-class _Ema:
+class _Ema(abc.ABC):
     """What both EMAs share: ``pairs()`` of (live, shadow) tensors, the decay schedule of ``cfg`` and
     the count of updates applied."""
 
     cfg: EmaLoraConfig | EmaFullConfig
     updates: int
 
+    @abc.abstractmethod
     def pairs(self) -> list[Pair]:
-        raise NotImplementedError  # both subclasses define it
+        """(live, shadow) tensor pairs, in a fixed order."""
 
     def update(self) -> float:
         """One EMA step ``shadow = d * shadow + (1 - d) * live``; returns the decay ``d`` used."""

@@ -128,3 +128,14 @@ def test_ar_recipe_rejects_unknown_engine():
     path = os.path.join(ROOT, "recipes", "ar", "tiny", "char_grpo_engine.yaml")
     with pytest.raises(RecipeError, match="rollout.engine"):
         ARTrainer(load_recipe(path, ["rollout.engine=sglang"]))
+
+
+def test_backend_adapter_configs_checked_on_the_driver():
+    nft = os.path.join(ROOT, "recipes", "diffusion", "sd3", "sd3_tiny_nft.yaml")
+    with pytest.raises(RecipeError, match="set backend.ema_lora_cfg"):
+        build(nft, "backend.ema_lora_cfg=null")
+    lora = "{_target_: unirl_ray.train.configs.LoraConfig, rank: 4}"
+    with pytest.raises(RecipeError, match="keep only ema_lora_cfg"):
+        build(nft, f"backend.lora_cfg={lora}")
+    with pytest.raises(RecipeError, match="hsdp_shard_size=3 does not divide"):
+        build(TINY, "backend.fsdp_cfg.fsdp_mode=hybrid", "+backend.fsdp_cfg.hsdp_shard_size=3")

@@ -211,7 +211,7 @@ def test_real_tiny_sd3_sde_window_with_shared_noise_keeps_ratio_one():
     algo = FlowGRPO(group_size=2, clip_range=0.2, pipeline=pipe)
     groups, seeds = ["g0", "g0", "g1", "g1"], [0, 1, 2, 3]
     samples = []
-    for i, (part, image) in enumerate(pipe.sample(["a", "a", "b", "b"], seeds, group_ids=groups)):
+    for i, (part, image) in enumerate(pipe.sample(["a", "a", "b", "b"], seeds, group_seeds=[5, 5, 6, 6])):
         s = Sample(sample_id=f"s0-{i}", group_id=groups[i], prompt="ab"[i // 2], parts=[part], image=image)
         s.reward = float(image.mean()) / 255.0
         samples.append(s)

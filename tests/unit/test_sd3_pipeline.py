@@ -221,17 +221,17 @@ def test_ode_sampling_is_deterministic_given_the_initial_noise(bundle):
 
 def test_shared_initial_noise_within_groups(bundle):
     shared = SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32, share_initial_noise=True)
-    assert shared.needs_group_ids
-    assert not SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32).needs_group_ids
-    groups = ["s0-p0", "s0-p0", "s0-p1", "s0-p1"]
-    parts = [p for p, _ in shared.sample(["a", "a", "b", "b"], [1, 2, 3, 4], group_ids=groups)]
+    assert shared.needs_group_seeds
+    assert not SD3Pipeline(bundle, num_inference_steps=2, height=32, width=32).needs_group_seeds
+    groups = [11, 11, 12, 12]  # group seeds
+    parts = [p for p, _ in shared.sample(["a", "a", "b", "b"], [1, 2, 3, 4], group_seeds=groups)]
     assert torch.equal(parts[0].latents[0], parts[1].latents[0])
     assert torch.equal(parts[2].latents[0], parts[3].latents[0])
     assert not torch.allclose(parts[0].latents[0], parts[2].latents[0])
     assert not torch.allclose(parts[0].latents[1], parts[1].latents[1])  # the SDE noise still differs
-    alone = shared.sample(["a"], [7], group_ids=["s0-p0"])[0][0]
+    alone = shared.sample(["a"], [7], group_seeds=[11])[0][0]
     assert torch.equal(alone.latents[0], parts[0].latents[0])  # the group's noise, whatever the batch
-    with pytest.raises(ValueError, match="group_ids"):
+    with pytest.raises(ValueError, match="group_seeds"):
         shared.sample(["a"], [1])
 
 

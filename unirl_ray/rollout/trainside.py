@@ -56,10 +56,6 @@ class TrainsideRollout:
         self.samples_with_shadow = sampling_policy == "shadow" or (sampling_policy == "auto" and has_shadow)
         """Whether ``generate`` samples with the backend's shadow adapter."""
 
-    @property
-    def _needs_group_ids(self) -> bool:
-        """Pipelines that draw per-group randomness (shared initial noise) declare ``needs_group_ids``."""
-        return bool(getattr(self.pipeline, "needs_group_ids", False))
 
     @contextlib.contextmanager
     def _sampling_module(self) -> Iterator[Any]:
@@ -76,16 +72,25 @@ class TrainsideRollout:
 
     @torch.no_grad()
     def generate(self, requests: list[dict[str, Any]], *, policy_version: int) -> list[Sample]:
-        """``requests``: dicts with ``sample_id, group_id, prompt, columns, seed``."""
+        """``requests``: dicts with ``sample_id, group_id, prompt, columns, seed`` (and ``group_seed``)."""
         samples: list[Sample] = []
         with self._sampling_module() as module:
             for start in range(0, len(requests), self.micro_batch_size):
                 chunk = requests[start : start + self.micro_batch_size]
                 prompts, seeds = [r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk]
-                extra = {"group_ids": [r["group_id"] for r in chunk]} if self._needs_group_ids else {}
-                outputs = self.pipeline.sample(prompts, seeds, module=module, **extra)
+                outputs = self.pipeline.sample(prompts, seeds, module=module, **group_kwargs(self.pipeline, chunk))
                 samples.extend(samples_from_outputs(chunk, outputs, policy_version))
         return samples
+
+
+def group_kwargs(pipeline: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"group_seeds": [...]}`` for pipelines that draw per-group randomness (shared initial noise)."""
+    if not getattr(pipeline, "needs_group_seeds", False):
+        return {}
+    missing = [r["sample_id"] for r in requests if "group_seed" not in r]
+    if missing:
+        raise ValueError(f"requests {missing[:3]} carry no group_seed, which the pipeline's shared initial noise needs")
+    return {"group_seeds": [int(r["group_seed"]) for r in requests]}
 
 
 def samples_from_outputs(requests: list[dict[str, Any]], outputs: list[tuple[Any, Any]], policy_version: int) -> list[Sample]:

@@ -77,6 +77,9 @@ class RLTrainer(BaseTrainer):
             for name in ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg", "ema_lora_cfg", "ema_full_cfg")
             if recipe.backend.get(name) is not None
         }
+        if getattr(self.algorithm, "needs_shadow_policy", False) and "ema_lora_cfg" not in self.backend_cfgs:
+            raise RecipeError(f"algorithm {type(self.algorithm).__name__} trains against the EMA shadow adapter (its old "
+                              "policy): set backend.ema_lora_cfg (_target_: unirl_ray.train.configs.EmaLoraConfig)")
         if "lora_cfg" in self.backend_cfgs and "ema_lora_cfg" in self.backend_cfgs:
             raise RecipeError("backend.lora_cfg and backend.ema_lora_cfg are both set: EmaLoraConfig already injects "
                               "the LoRA adapters (plus their EMA shadow); keep only ema_lora_cfg")
@@ -216,6 +219,7 @@ class RLTrainer(BaseTrainer):
                     "prompt": row["prompt"],
                     "columns": columns,
                     "seed": derive_seed(self.run_cfg.seed, "sample", step, index),
+                    "group_seed": derive_seed(self.run_cfg.seed, "group", step, p),
                 })
         return requests
 

@@ -22,7 +22,8 @@ Sampling variants (recipe options, see ``SD3Pipeline``):
   ``NaN`` (a deterministic transition has no density). Algorithms train only steps with a finite
   log-prob. ``sde_window_size=0`` samples the whole trajectory with the ODE (DiffusionNFT).
 - Initial-noise sharing (DanceGRPO): the samples of one group start from the same noise, drawn
-  from the group id; their per-step SDE noise still comes from their own seeds.
+  from the group's seed (derived from the run seed, step and prompt); their per-step SDE noise
+  still comes from their own seeds.
 - CFG: ``guidance_scale > 1`` guides both sampling and recomputation; 1 disables it.
 
 Shapes: ``B`` batch, ``T`` steps, ``latent_shape`` = ``[C, h, w]`` (``h = H / vae_scale_factor``);
@@ -121,7 +122,7 @@ class SD3Pipeline:
                 uniformly in ``[lo, hi - sde_window_size]`` per sample from the sample's seed
                 (``hi - lo == sde_window_size`` fixes it); None: ``[0, num_inference_steps)``.
             share_initial_noise: DanceGRPO: the samples of a group start from the same initial noise
-                (drawn from the group id); per-step SDE noise still differs. Callers pass ``group_ids``.
+                (drawn from the group's seed); per-step SDE noise still differs. Callers pass ``group_seeds``.
         """
         self.bundle = bundle
         self.num_inference_steps = num_inference_steps
@@ -176,8 +177,8 @@ class SD3Pipeline:
             )
 
     @property
-    def needs_group_ids(self) -> bool:
-        """Whether ``sample`` needs ``group_ids`` (initial-noise sharing is on)."""
+    def needs_group_seeds(self) -> bool:
+        """Whether ``sample`` needs ``group_seeds`` (initial-noise sharing is on)."""
         return self.share_initial_noise
 
     @property
@@ -297,20 +298,20 @@ class SD3Pipeline:
             mask[b, start : start + size] = True
         return mask
 
-    def _initial_noise(self, generators: list[torch.Generator], group_ids: list[str] | None) -> torch.Tensor:
+    def _initial_noise(self, generators: list[torch.Generator], group_seeds: list[int] | None) -> torch.Tensor:
         """[B, *latent_shape] x_0; drawn from each sample's generator (advancing it in either case),
-        then replaced by the group's noise when ``share_initial_noise``."""
+        then replaced by the group's noise (from its group seed) when ``share_initial_noise``."""
         x = self._noise(generators)
         if not self.share_initial_noise:
             return x
-        if group_ids is None or len(group_ids) != len(generators):
+        if group_seeds is None or len(group_seeds) != len(generators):
             raise ValueError(
-                "share_initial_noise=True needs group_ids (one per prompt) in SD3Pipeline.sample: the samples of a "
-                "group share their initial noise; this caller passed none (use the trainside rollout, or set it false)"
+                "share_initial_noise=True needs group_seeds (one per prompt) in SD3Pipeline.sample: the samples of a "
+                "group share their initial noise; this caller passed none (requests carry a group_seed: pass them)"
             )
-        shared = {g: torch.Generator().manual_seed(zlib.crc32(f"group-noise:{g}".encode())) for g in set(group_ids)}
+        shared = {g: torch.Generator().manual_seed(int(g)) for g in set(group_seeds)}
         noise = {g: torch.randn(self.latent_shape, generator=gen) for g, gen in shared.items()}
-        return torch.stack([noise[g] for g in group_ids])
+        return torch.stack([noise[g] for g in group_seeds])
 
     @torch.no_grad()
     def sample(
@@ -319,14 +320,14 @@ class SD3Pipeline:
         seeds: list[int],
         *,
         module: torch.nn.Module | None = None,
-        group_ids: list[str] | None = None,
+        group_seeds: list[int] | None = None,
     ) -> list[tuple[DiffusionPart, np.ndarray]]:
         """Sample one image per prompt with the Flow-GRPO SDE; returns (trajectory part, [H, W, 3] uint8).
 
         ``module`` is the transformer to call (default ``bundle.transformer``; train workers pass
         their FSDP2-wrapped one). Sample ``i`` draws its initial and per-step noise from a CPU
         generator seeded with ``seeds[i]``, so it does not depend on the batch it is drawn in.
-        ``group_ids`` (one per prompt) are needed with ``share_initial_noise``. Steps outside the SDE
+        ``group_seeds`` (one per prompt) are needed with ``share_initial_noise``. Steps outside the SDE
         window are Euler ODE steps with recorded log-prob NaN.
         """
         if len(prompts) != len(seeds):
@@ -340,7 +341,7 @@ class SD3Pipeline:
         sigmas = self._sigmas.to(device).expand(b, -1)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         sde = self.sde_steps(seeds).to(device)
-        x = self._initial_noise(gens, group_ids).to(device)
+        x = self._initial_noise(gens, group_seeds).to(device)
         traj, logps = [x], []
         for i in range(steps):
             idx = torch.full((b,), i, dtype=torch.long, device=device)

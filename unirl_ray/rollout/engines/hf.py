@@ -20,7 +20,7 @@ import torch
 
 from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample
-from unirl_ray.rollout.trainside import samples_from_outputs
+from unirl_ray.rollout.trainside import group_kwargs, samples_from_outputs
 from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
 from unirl_ray.rollout.engines.base import VersionedEngine
 from unirl_ray.train.backend.offload import StorageOffloader
@@ -99,7 +99,8 @@ class HFRolloutEngine(VersionedEngine):
             )
         with self.lock, torch.no_grad():
             outputs = self.pipeline.sample(
-                [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module
+                [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module,
+                **group_kwargs(self.pipeline, requests),
             )
         return samples_from_outputs(requests, outputs, self.version)
 

@@ -271,15 +271,19 @@ _FlakyEngine = _flaky_engine_cls()
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "tiny")
 
 
-def test_ar_trainer_with_vllm_engine(ray_local, tmp_path):
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_ar_trainer_with_vllm_engine(ray_local, tmp_path, placement):
+    """Colocated: the vLLM engine sleeps between rollouts (a no-op on vLLM's CPU backend, which has no
+    sleep mode; on GPUs it frees weights and KV cache) and catches up to the latest version on wake."""
     from unirl_ray.config.recipe import load_recipe
     from unirl_ray.trainer.ar import ARTrainer
 
-    steps = 4
+    steps = 3 if placement == "colocated" else 4
     cfg = load_recipe(
         os.path.join(RECIPES, "char_grpo_engine.yaml"),
         [
-            "trainer.run_name=vllm-engine",
+            f"rollout.placement={placement}",
+            f"trainer.run_name=vllm-engine-{placement}",
             f"trainer.storage_path={tmp_path}",
             "tracking.experiment_name=e2e-ar",
             f"trainer.num_steps={steps}",
@@ -298,7 +302,11 @@ def test_ar_trainer_with_vllm_engine(ray_local, tmp_path):
             assert metrics["weight_sync/version"] == step
             assert metrics["rollout/version_lag_max"] == 0
             assert metrics["rollout/logp_gap"] < GAP, metrics["rollout/logp_gap"]  # vLLM == trainer log-probs
-            assert all(r["version"] == step for r in trainer.engine.status())
+            reports = trainer.engine.status()
+            if placement == "colocated":  # asleep, serving the version it rolled out with; wakes into `step`
+                assert all(r["asleep"] and r["version"] == step - 1 for r in reports), reports
+            else:
+                assert all(r["version"] == step for r in reports)
         status = "FINISHED"
     finally:
         trainer.teardown(status)

@@ -139,3 +139,10 @@ def test_backend_adapter_configs_checked_on_the_driver():
         build(nft, f"backend.lora_cfg={lora}")
     with pytest.raises(RecipeError, match="hsdp_shard_size=3 does not divide"):
         build(TINY, "backend.fsdp_cfg.fsdp_mode=hybrid", "+backend.fsdp_cfg.hsdp_shard_size=3")
+
+
+def test_video_frame_count_checked_on_the_driver():
+    wan = os.path.join(ROOT, "recipes", "diffusion", "wan", "wan_tiny_flowgrpo.yaml")
+    build(wan)  # the shipped tiny video recipe is valid
+    with pytest.raises(RecipeError, match="pipeline: .*num_frames|pipeline: .*frames"):
+        build(wan, "pipeline.num_frames=4")

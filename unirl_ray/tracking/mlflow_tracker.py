@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -382,6 +383,18 @@ class MLflowTracker:
             grid.save(path)
 
         self._guarded("log_images", call, fallback)
+
+    def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
+        """Log every file under ``local_dir`` to ``artifact_path`` of the run (or copy it into the
+        local fallback folder when MLflow is unavailable)."""
+
+        def call() -> None:
+            self._client.log_artifacts(self._run_id, str(local_dir), artifact_path=artifact_path)
+
+        def fallback() -> None:
+            shutil.copytree(local_dir, self._fallback_path(artifact_path), dirs_exist_ok=True)
+
+        self._guarded("log_artifacts", call, fallback)
 
     # ------------------------------------------------------------------ resilience
 

@@ -1,19 +1,30 @@
 """``DiffusionTrainer``: RL for diffusion / flow image models (Flow-GRPO by default).
 
-Placement (the seed's trainside recipes): the train ranks (Ray Train workers, FSDP2) hold bundle,
-pipeline, backend, algorithm, stack and the trainside rollout; rewards are a Ray Serve app; prompts
-come from a Ray Data dataset. The step itself (prompts -> rollout -> reward -> advantages -> train
--> log) is ``RLTrainer.run_step``; this class adds what is particular to images: the resolution
-check against the model's latent factor on the driver, and sample images in MLflow.
+Placement: the train ranks (Ray Train workers, FSDP2) hold bundle, pipeline, backend, algorithm,
+stack and, in the trainside layout, the rollout; in the separate layout (``rollout: DedicatedRollout``,
+engine ``hf``) a Ray Serve app builds the same bundle + pipeline (+ the trained LoRA structure),
+samples and records log-probs, and receives versioned, verified weights (LoRA adapters only when
+training LoRA) after every ``sync.every`` steps. Rewards are Ray Serve apps (a source with ``app:``
+gets its own, e.g. ``unirl_ray.rewards.image_model.CLIPScoreReward``); prompts come from Ray Data.
+The step (prompts -> rollout -> reward -> advantages -> train -> sync -> log -> eval) is
+``RLTrainer.run_step``; this class adds what is particular to images: the resolution check against
+the model's latent factor on the driver, and sample / eval image grids in MLflow.
+
+DiffusionNFT (``backend.ema_lora_cfg``) samples with the EMA shadow adapter in the trainside layout;
+a dedicated engine serves the *trained* adapter instead (warned at validation).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from unirl_ray.config.recipe import RecipeError
 from unirl_ray.core.sample import Sample
+from unirl_ray.tracking.media import DEFAULT_FPS, log_videos
 from unirl_ray.trainer.rl import RLRunConfig, RLTrainer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -22,6 +33,8 @@ class DiffusionRunConfig(RLRunConfig):
 
 
 class DiffusionTrainer(RLTrainer):
+    """RL for diffusion / flow image models: ``RLTrainer``'s step, plus image checks, metrics and grids."""
+
     domain = "diffusion"
 
     def validate_model(self) -> None:
@@ -33,6 +46,15 @@ class DiffusionTrainer(RLTrainer):
                     f"pipeline.{name}={value} must be a positive multiple of {factor} "
                     "(VAE scale factor x transformer patch size of this model)"
                 )
+        if hasattr(self.bundle_cfg, "validate_video"):  # video families: frames must fit the VAE's time factor
+            p = self.recipe.pipeline
+            try:
+                self.bundle_cfg.validate_video(int(p.num_frames), int(p.height), int(p.width))
+            except ValueError as exc:
+                raise RecipeError(f"pipeline: {exc}") from None
+        if self.dedicated is not None and "ema_lora_cfg" in self.backend_cfgs:
+            log.warning("rollout: DedicatedRollout with backend.ema_lora_cfg: the engine samples with the trained "
+                        "adapter, not the EMA shadow adapter (DiffusionNFT's old policy in the trainside layout)")
 
     def run_step(self, step: int) -> dict:
         metrics = super().run_step(step)
@@ -42,4 +64,18 @@ class DiffusionTrainer(RLTrainer):
     def log_samples(self, step: int, samples: list[Sample]) -> None:
         shown = [s for s in samples if s.image is not None][:16]
         captions = [f"{s.prompt} | r={s.reward if s.reward is None else round(s.reward, 4)}" for s in shown]
+        if shown and shown[0].image.ndim == 4:  # video frames [F, H, W, 3]: animated GIFs + frame strips
+            fps = float(self.recipe.pipeline.get("fps") or DEFAULT_FPS)
+            log_videos(self.tracker, step, [s.image for s in shown[:4]], captions, key="samples", fps=fps)
+            return
         self.tracker.log_images(step, [s.image for s in shown], captions, key="samples")
+
+    def log_eval(self, step: int, samples: list[Sample]) -> None:
+        """An image grid (video: GIFs) of the eval samples under ``eval`` in MLflow."""
+        shown = [s for s in samples if s.image is not None][:16]
+        captions = [f"{s.prompt} | r={s.reward if s.reward is None else round(s.reward, 4)}" for s in shown]
+        if shown and shown[0].image.ndim == 4:
+            fps = float(self.recipe.pipeline.get("fps") or DEFAULT_FPS)
+            log_videos(self.tracker, step, [s.image for s in shown[:4]], captions, key="eval", fps=fps)
+            return
+        self.tracker.log_images(step, [s.image for s in shown], captions, key="eval")

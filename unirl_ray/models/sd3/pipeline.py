@@ -1,97 +1,29 @@
 """``SD3Pipeline``: Flow-GRPO SDE sampling and exact log-prob recomputation for SD3.
 
-Flow matching integrates the ODE ``dx = v(x, sigma) dsigma`` from ``sigma = 1`` (noise) to ``0``.
-Flow-GRPO turns each Euler step into a Gaussian transition with the same marginals (an SDE),
-so that every step has a log-likelihood under the policy:
+The SDE, its log-prob and the sampling variants (SDE window, shared initial noise, CFG) are
+``unirl_ray.models.flow_sde``, shared with the video family; this module holds what is particular
+to SD3: the resolution check, the (dynamically shifted) sigma schedule, the three-encoder prompt
+conditioning, the transformer call and VAE decoding / encoding of images.
 
-    dt      = sigma_next - sigma                       (< 0)
-    std_t   = noise_level * sqrt(sigma / (1 - sigma'))  sigma' = sigma, except sigma == 1 -> sigmas[1]
-    mean    = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
-    x_next  = mean + std_t * sqrt(-dt) * eps,  eps ~ N(0, I)
-
-The log-prob of a transition is the Gaussian log-density of ``x_next`` under
-``N(mean, (std_t sqrt(-dt))^2 I)`` averaged over all non-batch elements. Sampling and
-``step_log_prob`` share the same functions, so before any update the recomputed log-prob equals the
-recorded one up to float rounding. All SDE math runs in float32; the transformer runs in the
-bundle's dtype.
-
-Sampling variants (recipe options, see ``SD3Pipeline``):
-
-- SDE window (MixGRPO, Flow-GRPO-Fast): only ``sde_window_size`` consecutive steps are SDE steps;
-  the others are deterministic Euler (ODE) steps ``x_next = x + v dt``, recorded with log-prob
-  ``NaN`` (a deterministic transition has no density). Algorithms train only steps with a finite
-  log-prob. ``sde_window_size=0`` samples the whole trajectory with the ODE (DiffusionNFT).
-- Initial-noise sharing (DanceGRPO): the samples of one group start from the same noise, drawn
-  from the group's seed (derived from the run seed, step and prompt); their per-step SDE noise
-  still comes from their own seeds.
-- CFG: ``guidance_scale > 1`` guides both sampling and recomputation; 1 disables it.
-
-Shapes: ``B`` batch, ``T`` steps, ``latent_shape`` = ``[C, h, w]`` (``h = H / vae_scale_factor``);
-per-sample scalars are ``[B]`` and broadcast over the latent axes (a video time axis would just be
-one more latent axis).
+Shapes: ``B`` batch, ``T`` steps, ``latent_shape`` = ``[C, h, w]`` (``h = H / vae_scale_factor``).
 """
 
 from __future__ import annotations
-
-import math
-import zlib
 
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from unirl_ray.core.sample import DiffusionPart
+from unirl_ray.models.flow_sde import (  # noqa: F401  (re-exported: the SDE math's historical home)
+    MIN_STD,
+    FlowSDEPipeline,
+    gaussian_log_prob,
+    sde_step_stats,
+)
 from unirl_ray.models.sd3.bundle import SD3Bundle
 
-MIN_STD = 1e-6
-"""Lower clamp of the transition std (keeps log-probs finite on degenerate schedules)."""
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-_TRAJ_KEYS = ("latents", "log_probs", "sigmas")
-
-
-def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[B] -> [B, 1, ..., 1] broadcastable against ``like`` [B, ...]."""
-    return t.reshape(-1, *([1] * (like.dim() - 1)))
-
-
-def sde_step_stats(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    sigma: torch.Tensor,
-    sigma_next: torch.Tensor,
-    sigma_second: torch.Tensor,
-    noise_level: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean [B, ...] and std [B] of the Flow-GRPO transition from ``x`` at ``sigma`` to ``sigma_next``.
-
-    ``x``, ``v``: [B, ...] latents and predicted velocity (float32); ``sigma``, ``sigma_next``,
-    ``sigma_second``: [B] (``sigma_second`` = the schedule's second sigma, used instead of
-    ``sigma`` in the ``1 - sigma`` denominator when ``sigma == 1``).
-    """
-    dt = sigma_next - sigma
-    sigma_safe = sigma.clamp_min(MIN_STD)
-    sigma_den = torch.where(sigma >= 1, sigma_second, sigma)
-    std_t = noise_level * torch.sqrt(sigma_safe / (1 - sigma_den).clamp_min(MIN_STD))
-    x_coef = 1 + std_t**2 / (2 * sigma_safe) * dt
-    v_coef = (1 + std_t**2 * (1 - sigma) / (2 * sigma_safe)) * dt
-    mean = x * _bcast(x_coef, x) + v * _bcast(v_coef, v)
-    std = (std_t * torch.sqrt((-dt).clamp_min(0))).clamp_min(MIN_STD)
-    return mean, std
-
-
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Log-density of ``x`` [B, ...] under N(mean, std^2) (std [B]), averaged over non-batch axes -> [B]."""
-    s = _bcast(std, x)
-    lp = -((x - mean) ** 2) / (2 * s**2) - torch.log(s) - _LOG_SQRT_2PI
-    return lp.flatten(1).mean(dim=1)
-
-
-def _module_device(module: torch.nn.Module) -> torch.device:
-    return next(module.parameters()).device
-
-
-class SD3Pipeline:
-    """Flow-GRPO sampling / recomputation around an ``SD3Bundle`` (see the module docstring)."""
+class SD3Pipeline(FlowSDEPipeline):
+    """Flow-GRPO sampling / recomputation around an ``SD3Bundle`` (see ``unirl_ray.models.flow_sde``)."""
 
     def __init__(
         self,
@@ -124,67 +56,23 @@ class SD3Pipeline:
             share_initial_noise: DanceGRPO: the samples of a group start from the same initial noise
                 (drawn from the group's seed); per-step SDE noise still differs. Callers pass ``group_seeds``.
         """
-        self.bundle = bundle
-        self.num_inference_steps = num_inference_steps
         self.height = height
         self.width = width
-        self.guidance_scale = guidance_scale
-        self.noise_level = noise_level
-        self.max_sequence_length = max_sequence_length
-        self.sde_window_size = sde_window_size
-        self.sde_window_range = tuple(sde_window_range) if sde_window_range is not None else None
-        self.share_initial_noise = bool(share_initial_noise)
-        self.validate()
-        self.num_train_timesteps = int(bundle.scheduler.config.get("num_train_timesteps", 1000))
-        self._sigmas = self._compute_sigmas()
+        super().__init__(
+            bundle,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            noise_level=noise_level,
+            max_sequence_length=max_sequence_length,
+            sde_window_size=sde_window_size,
+            sde_window_range=sde_window_range,
+            share_initial_noise=share_initial_noise,
+        )
 
     # ------------------------------------------------------------------ setup
-    def validate(self) -> None:
-        """Raise ``ValueError`` with a fix for bad resolution / steps / noise / guidance settings."""
+    def validate_shape(self) -> None:
+        """Raise ``ValueError`` unless height and width are multiples of the model's latent factor."""
         self.bundle.config.validate_resolution(self.height, self.width)
-        if self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
-        if not self.noise_level > 0:
-            raise ValueError(f"noise_level must be > 0 (SDE sampling needs noise), got {self.noise_level}")
-        if self.guidance_scale < 1:
-            raise ValueError(f"guidance_scale must be >= 1 (1 disables CFG), got {self.guidance_scale}")
-        if self.max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
-        self._validate_sde_window()
-
-    def _validate_sde_window(self) -> None:
-        steps, size, span = self.num_inference_steps, self.sde_window_size, self.sde_window_range
-        if size is None:
-            if span is not None:
-                raise ValueError(
-                    f"sde_window_range={list(span)} needs sde_window_size (the number of SDE steps in the window); "
-                    "set sde_window_size or remove sde_window_range"
-                )
-            return
-        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= steps:
-            raise ValueError(
-                f"sde_window_size must be an int in [0, num_inference_steps={steps}] (0: ODE only), got {size!r}"
-            )
-        if span is None:
-            return
-        if len(span) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in span):
-            raise ValueError(f"sde_window_range must be two ints [lo, hi), got {list(span)!r}")
-        lo, hi = span
-        if not (0 <= lo < hi <= steps and hi - lo >= size):
-            raise ValueError(
-                f"sde_window_range=[{lo}, {hi}) must satisfy 0 <= lo < hi <= num_inference_steps={steps} and "
-                f"hi - lo >= sde_window_size={size}"
-            )
-
-    @property
-    def needs_group_seeds(self) -> bool:
-        """Whether ``sample`` needs ``group_seeds`` (initial-noise sharing is on)."""
-        return self.share_initial_noise
-
-    @property
-    def do_cfg(self) -> bool:
-        """Whether classifier-free guidance is used (``guidance_scale > 1``)."""
-        return self.guidance_scale > 1.0
 
     @property
     def vae_scale_factor(self) -> int:
@@ -195,11 +83,6 @@ class SD3Pipeline:
         """Per-sample latent shape ``(C, h, w)``."""
         f = self.vae_scale_factor
         return (int(self.bundle.vae.config.latent_channels), self.height // f, self.width // f)
-
-    @property
-    def sigmas(self) -> torch.Tensor:
-        """[T+1] float32 CPU schedule, sigmas[0] = 1 ... sigmas[T] = 0."""
-        return self._sigmas
 
     def _compute_sigmas(self) -> torch.Tensor:
         sched = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
@@ -267,105 +150,6 @@ class SD3Pipeline:
             out = uncond + self.guidance_scale * (text - uncond)
         return out
 
-    def _sde_stats(
-        self, x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, idx: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Transition stats for rows of ``sigmas`` [B, T+1] at step indices ``idx`` [B]."""
-        rows = torch.arange(sigmas.shape[0], device=sigmas.device)
-        return sde_step_stats(
-            x, v, sigmas[rows, idx], sigmas[rows, idx + 1], sigmas[:, 1], self.noise_level
-        )
-
-    # ------------------------------------------------------------------ sampling
-    def _noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        """[B, *latent_shape] float32 CPU noise, one generator per sample."""
-        return torch.stack([torch.randn(self.latent_shape, generator=g) for g in generators])
-
-    def sde_steps(self, seeds: list[int]) -> torch.Tensor:
-        """[B, T] bool: which steps of each sample's trajectory are SDE steps (the rest are ODE steps).
-
-        All steps without an SDE window; otherwise ``sde_window_size`` consecutive steps whose start
-        is drawn from the sample's seed within ``sde_window_range`` (batch-independent).
-        """
-        steps, size = self.num_inference_steps, self.sde_window_size
-        if size is None:
-            return torch.ones(len(seeds), steps, dtype=torch.bool)
-        lo, hi = self.sde_window_range or (0, steps)
-        mask = torch.zeros(len(seeds), steps, dtype=torch.bool)
-        for b, seed in enumerate(seeds):
-            gen = torch.Generator().manual_seed(zlib.crc32(f"sde-window:{int(seed)}".encode()))
-            start = lo + int(torch.randint(hi - size - lo + 1, (1,), generator=gen))
-            mask[b, start : start + size] = True
-        return mask
-
-    def _initial_noise(self, generators: list[torch.Generator], group_seeds: list[int] | None) -> torch.Tensor:
-        """[B, *latent_shape] x_0; drawn from each sample's generator (advancing it in either case),
-        then replaced by the group's noise (from its group seed) when ``share_initial_noise``."""
-        x = self._noise(generators)
-        if not self.share_initial_noise:
-            return x
-        if group_seeds is None or len(group_seeds) != len(generators):
-            raise ValueError(
-                "share_initial_noise=True needs group_seeds (one per prompt) in SD3Pipeline.sample: the samples of a "
-                "group share their initial noise; this caller passed none (requests carry a group_seed: pass them)"
-            )
-        shared = {g: torch.Generator().manual_seed(int(g)) for g in set(group_seeds)}
-        noise = {g: torch.randn(self.latent_shape, generator=gen) for g, gen in shared.items()}
-        return torch.stack([noise[g] for g in group_seeds])
-
-    @torch.no_grad()
-    def sample(
-        self,
-        prompts: list[str],
-        seeds: list[int],
-        *,
-        module: torch.nn.Module | None = None,
-        group_seeds: list[int] | None = None,
-    ) -> list[tuple[DiffusionPart, np.ndarray]]:
-        """Sample one image per prompt with the Flow-GRPO SDE; returns (trajectory part, [H, W, 3] uint8).
-
-        ``module`` is the transformer to call (default ``bundle.transformer``; train workers pass
-        their FSDP2-wrapped one). Sample ``i`` draws its initial and per-step noise from a CPU
-        generator seeded with ``seeds[i]``, so it does not depend on the batch it is drawn in.
-        ``group_seeds`` (one per prompt) are needed with ``share_initial_noise``. Steps outside the SDE
-        window are Euler ODE steps with recorded log-prob NaN.
-        """
-        if len(prompts) != len(seeds):
-            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
-        if not prompts:
-            return []
-        module = self.bundle.transformer if module is None else module
-        device = _module_device(module)
-        cond = {k: v.to(device) for k, v in self.encode_prompts(prompts).items()}
-        b, steps = len(prompts), self.num_inference_steps
-        sigmas = self._sigmas.to(device).expand(b, -1)
-        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        sde = self.sde_steps(seeds).to(device)
-        x = self._initial_noise(gens, group_seeds).to(device)
-        traj, logps = [x], []
-        for i in range(steps):
-            idx = torch.full((b,), i, dtype=torch.long, device=device)
-            v = self._velocity(module, x, sigmas[:, i], cond)
-            mean, std = self._sde_stats(x, v, sigmas, idx)
-            x_sde = mean + _bcast(std, mean) * self._noise(gens).to(device)
-            x_ode = x + v * _bcast(sigmas[:, i + 1] - sigmas[:, i], v)
-            x = torch.where(_bcast(sde[:, i], x_sde), x_sde, x_ode)
-            logps.append(torch.where(sde[:, i], gaussian_log_prob(x, mean, std), torch.nan))
-            traj.append(x)
-        images = self.decode(x)
-        latents = torch.stack(traj, dim=1).cpu()
-        log_probs = torch.stack(logps, dim=1).cpu()
-        out = []
-        for i in range(b):
-            part = DiffusionPart(
-                latents=latents[i].clone(),
-                log_probs=log_probs[i].clone(),
-                sigmas=self._sigmas.clone(),
-                cond={k: v[i].detach().cpu().clone() for k, v in cond.items()},
-            )
-            out.append((part, images[i]))
-        return out
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents [B, C, h, w] -> [B, H, W, 3] uint8 images."""
@@ -377,57 +161,6 @@ class SD3Pipeline:
         return (img * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
     # ------------------------------------------------------------------ training
-    def collate(self, parts: list[DiffusionPart]) -> dict[str, torch.Tensor]:
-        """Stack parts: ``latents`` [B, T+1, ...], ``log_probs`` [B, T], ``sigmas`` [B, T+1], cond [B, ...]."""
-        if not parts:
-            raise ValueError("collate needs at least one DiffusionPart")
-        if any(p.is_light for p in parts):
-            raise ValueError("collate got a light DiffusionPart (no trajectory); use the full sample from the cache")
-        shapes = {tuple(p.latents.shape) for p in parts}
-        if len(shapes) != 1:
-            raise ValueError(f"parts have different trajectory shapes {sorted(shapes)}; batch equal-size samples")
-        batch = {k: torch.stack([getattr(p, k) for p in parts]) for k in _TRAJ_KEYS}
-        missing = [k for k in self._cond_keys() if any(k not in p.cond for p in parts)]
-        if missing:
-            raise ValueError(f"parts lack conditioning {missing}; were they sampled with another guidance_scale?")
-        for k in self._cond_keys():
-            batch[k] = torch.stack([p.cond[k] for p in parts])
-        return batch
-
-    def velocity(
-        self, module: torch.nn.Module, batch: dict[str, torch.Tensor], x: torch.Tensor, sigma: torch.Tensor
-    ) -> torch.Tensor:
-        """(Guided) velocity [B, ...] float32 of ``module`` at latents ``x`` [B, ...] and noise levels
-        ``sigma`` [B], conditioned on the prompts of ``batch`` (from ``collate``); with grad.
-
-        The forward-process losses (DiffusionNFT) use it on noised clean samples.
-        """
-        device = _module_device(module)
-        cond = {k: batch[k].to(device) for k in self._cond_keys()}
-        return self._velocity(module, x.to(device=device, dtype=torch.float32), sigma.to(device), cond)
-
-    def step_log_prob(
-        self, module: torch.nn.Module, batch: dict[str, torch.Tensor], step_index: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Recompute transition ``latents[b, j] -> latents[b, j + 1]`` (``j = step_index[b]``) with grad.
-
-        ``batch`` comes from ``collate``; ``step_index`` is a LongTensor [B] (may differ per sample).
-        Returns ``(log_prob [B], mean [B, *latent_shape], std [B])`` on the module's device.
-        """
-        device = _module_device(module)
-        latents = batch["latents"].to(device)
-        steps = latents.shape[1] - 1
-        idx = step_index.to(device=device, dtype=torch.long)
-        if idx.shape != (latents.shape[0],) or bool((idx < 0).any()) or bool((idx >= steps).any()):
-            raise ValueError(f"step_index must be [B={latents.shape[0]}] with values in [0, {steps}), got {step_index}")
-        rows = torch.arange(latents.shape[0], device=device)
-        x, x_next = latents[rows, idx], latents[rows, idx + 1]
-        sigmas = batch["sigmas"].to(device)
-        cond = {k: batch[k].to(device) for k in self._cond_keys()}
-        v = self._velocity(module, x, sigmas[rows, idx], cond)
-        mean, std = self._sde_stats(x, v, sigmas, idx)
-        return gaussian_log_prob(x_next, mean, std), mean, std
-
     @torch.no_grad()
     def encode_images(
         self, pixels: torch.Tensor, generators: list[torch.Generator] | None = None

@@ -1,0 +1,30 @@
+"""Wan (2.1-style) text-to-video family: config, component bundle, Flow-GRPO sampling pipeline, tiny demo model.
+
+Names are imported lazily: ``from unirl_ray.models.wan import WanPipelineConfig`` does not import
+diffusers / transformers (only ``WanBundle``, ``WanPipeline`` and the tiny builder do).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unirl_ray.models.wan.bundle import WanBundle
+    from unirl_ray.models.wan.config import TinyWanConfig, WanPipelineConfig
+    from unirl_ray.models.wan.pipeline import WanPipeline
+
+_EXPORTS = {
+    "TinyWanConfig": "config",
+    "WanBundle": "bundle",
+    "WanPipeline": "pipeline",
+    "WanPipelineConfig": "config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

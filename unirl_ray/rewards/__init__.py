@@ -21,6 +21,7 @@ from unirl_ray.rewards.image import (
     make_target_color,
     target_color,
 )
+from unirl_ray.rewards.image_model import CLIPScoreReward
 
 _SERVICE_NAMES = ("RewardService", "RewardClient", "RewardApp", "build_reward_app", "start_serve", "samples_to_inputs")
 
@@ -38,6 +39,7 @@ __all__ = [
     "jpeg_incompressibility",
     "make_target_color",
     "target_color",
+    "CLIPScoreReward",
     *_SERVICE_NAMES,
 ]
 

@@ -36,6 +36,10 @@ class RayConfig:
     """Fail fast when the cluster's total resources cannot hold the train workers (disable with an autoscaler)."""
     num_checkpoints_to_keep: int | None = 2
     """Committed checkpoints kept on storage (None: all)."""
+    worker_niceness: int | None = 0
+    """Scheduling priority of the train worker processes. Ray starts worker processes at niceness 15,
+    so on a busy machine every process at the default priority (Serve replicas, other jobs) takes the
+    CPU from training first; 0 gives the train workers the driver's priority. None keeps Ray's."""
 
     def __post_init__(self) -> None:
         workers = self.scaling.get("num_workers", 1)

@@ -65,6 +65,19 @@ class StackWorker:
         self._cache = {s.sample_id: s for s in samples}
         return [s.light() for s in samples]
 
+    def eval_generate(self, requests: list[dict[str, Any]], *, use_ema: bool) -> list[Sample]:
+        """Collective: sample ``requests`` with the trained module, with its EMA weights when ``use_ema``
+        (``backend.ema_weights()`` swaps them back bit for bit); returns light samples (images kept)."""
+        import contextlib
+
+        from unirl_ray.rollout.trainside import TrainsideRollout
+
+        rollout = TrainsideRollout(micro_batch_size=getattr(self.rollout, "micro_batch_size", 8),
+                                   sampling_policy="trainable", pipeline=self.pipeline, backend=self.backend)
+        with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
+            samples = rollout.generate(requests, policy_version=self.policy_version)
+        return [s.light() for s in samples]
+
     def train(self, scored: list[Sample], *, seed: int) -> dict[str, Any]:
         """Train on this rank's shard; light samples are completed from the rollout cache."""
         shard = [self._complete(s) for s in scored]
@@ -122,6 +135,32 @@ class StackWorker:
     def onload(self) -> dict[str, int]:
         """Take the device memory back (bit for bit) before training."""
         return {"bytes": self.backend.onload(), "resident_bytes": self.backend.device_bytes()}
+
+    # ------------------------------------------------------------------ SFT
+    def sft_start(self, payload: dict[str, Any], *, open_train: Any, open_eval: Any = None) -> dict[str, Any]:
+        """Build this rank's SFT feed (``data.sft_feed``) over its dataset shards and move it to
+        ``payload["cursor"]``; ``payload`` holds the driver's ``RecordSource`` and ``records_per_rank``."""
+        from unirl_ray.data.sft_feed import SFTFeed
+
+        self.sft_feed = SFTFeed(
+            payload["source"], records_per_rank=int(payload["records_per_rank"]), bundle=self.bundle,
+            pipeline=self.pipeline, algorithm=self.algorithm, stack=self.stack, rank=self.topology.rank,
+            world_size=self.topology.world_size, open_train=open_train, open_eval=open_eval,
+        )
+        self.sft_feed.seek(payload["cursor"])
+        return {"cursor": self.sft_feed.cursor()}
+
+    def sft_train(self, seeds: list[int]) -> list[dict[str, Any]]:
+        """Collective: one SFT optimizer step per seed on records this rank pulls from its shard."""
+        if getattr(self, "sft_feed", None) is None:
+            raise RuntimeError("this rank has no SFT feed: sft_start must come first (did the worker group restart?)")
+        return self.sft_feed.train(seeds)
+
+    def sft_eval(self) -> dict[str, Any]:
+        """Collective: this rank's summed held-out loss (one pass over the held-out records)."""
+        if getattr(self, "sft_feed", None) is None:
+            raise RuntimeError("this rank has no SFT feed: sft_start must come first (did the worker group restart?)")
+        return self.sft_feed.evaluate()
 
     # ----------------------------------------------------------- checkpoint
     def save(self, directory: str) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class TrainGroup:
         datasets: dict[str, Any] | None = None,
     ) -> None:
         self.ray_cfg = ray_cfg
-        self.datasets = datasets  # Ray Data datasets split over the ranks (ray.train.get_dataset_shard)
+        self.datasets = datasets  # Ray Data datasets for the ranks (ray.train.get_dataset_shard; see _dataset_config)
         self.run_name = run_name
         self.storage_path = storage_path
         self.world_size = ray_cfg.num_workers
@@ -60,6 +60,7 @@ class TrainGroup:
             "use_gpu": ray_cfg.use_gpu,
             "seed": seed,
             "log_level": logging.getLevelName(logging.getLogger().level),
+            "worker_niceness": ray_cfg.worker_niceness,
         }
         self._thread: threading.Thread | None = None
         self._fit_error: BaseException | None = None
@@ -92,16 +93,17 @@ class TrainGroup:
         )
 
     def _dataset_config(self):
-        """Ray Train's defaults plus ``preserve_order``: every epoch then gives each rank the same records
-        in the same order (``streaming_split(equal=True)`` assigns blocks as they arrive), so a data
-        cursor resumes exactly."""
+        """Dataset ``"train"`` is split over the ranks (``streaming_split(equal=True)``); any other one (held-out
+        data) reaches every rank whole. Ray Train's defaults plus ``preserve_order``: every epoch then gives
+        each rank the same records in the same order (blocks are assigned as they arrive), so a data cursor
+        resumes exactly."""
         if not self.datasets:
             return None
         from ray.train import DataConfig
 
         options = DataConfig.default_ingest_options()
         options.preserve_order = True
-        return DataConfig(execution_options=options)
+        return DataConfig(datasets_to_split=["train"], execution_options=options)
 
     def _fit(self) -> None:
         try:

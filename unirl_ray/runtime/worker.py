@@ -87,6 +87,8 @@ def _wait_committed(name: str, timeout_s: float) -> str:
 def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeout_s: float) -> Any:
     if op == "generate":
         return worker.generate(payload["requests"])
+    if op == "eval_generate":
+        return worker.eval_generate(payload["requests"], use_ema=bool(payload["use_ema"]))
     if op == "train":
         return worker.train(payload["samples"], seed=int(payload["seed"]))
     if op == "save":
@@ -106,7 +108,7 @@ def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeou
     if op == "sft_eval":
         return worker.sft_eval()
     if op == "ping":
-        return {"policy_version": worker.policy_version}
+        return {"policy_version": worker.policy_version, "niceness": os.nice(0)}
     raise ValueError(f"unknown worker command {op!r}")
 
 
@@ -119,9 +121,22 @@ def _shard_opener(name: str) -> Any:
     return None if shard is None else shard.iter_rows
 
 
+def _set_niceness(target: int | None) -> None:
+    """Move this process to niceness ``target`` (Ray starts workers at 15); warn if not permitted."""
+    if target is None:
+        return
+    try:
+        current = os.nice(0)
+        if current != target:
+            os.nice(target - current)
+    except (PermissionError, OSError) as exc:  # raising priority needs CAP_SYS_NICE
+        log.warning("cannot set the train worker's niceness to %s (%s); it keeps %s", target, exc, os.nice(0))
+
+
 def worker_main(config: dict[str, Any]) -> None:
     """``train_loop_per_worker``: see module docstring. ``config`` comes from ``TrainGroup``."""
     logging.basicConfig(level=config.get("log_level", "INFO"))
+    _set_niceness(config.get("worker_niceness"))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     topology = TrainTopology(world_size=world, rank=rank, dp_size=world, dp_rank=rank)

@@ -199,11 +199,16 @@ class BaseTrainer(ABC):
             run_name=self.run_cfg.run_name,
             storage_path=self.run_cfg.storage_path,
             seed=self.run_cfg.seed,
+            datasets=self.worker_datasets(),
         )
         t0 = time.perf_counter()
         announced = self.group.start()
         log.info("%d train workers ready in %.1fs", self.group.world_size, time.perf_counter() - t0)
         return announced
+
+    def worker_datasets(self) -> dict[str, Any] | None:
+        """Ray Data datasets the train ranks read their shards of (``ray.train.get_dataset_shard``)."""
+        return None
 
     def start_tracking(self, run_id: str | None, *, resumed: bool) -> None:
         run_root = self.run_cfg.storage_path

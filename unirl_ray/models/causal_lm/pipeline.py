@@ -296,3 +296,20 @@ class CausalLMPipeline:
         logp = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_norm
         entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
         return logp, entropy
+
+    def teacher_forced_log_probs(
+        self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, L-1] float32 log-prob (temperature 1, with grad) of ``input_ids[:, j + 1]`` given the tokens before it.
+
+        For supervised losses over rows that may pack several sequences: no attention mask is passed, so
+        ``position_ids`` [B, L] restarting at 0 mark where each sequence starts and the model's
+        packed-sequence attention (transformers ``masking_utils``) keeps sequences from attending to each
+        other; a right-padded tail must start its own run of positions at 0. Positions across a
+        sequence boundary hold a meaningless value: the caller masks them out.
+        """
+        device = _module_device(module)
+        input_ids = input_ids.to(device)
+        out = module(input_ids=input_ids, position_ids=position_ids.to(device), use_cache=False)
+        logits = out.logits[:, :-1].float()
+        return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")

@@ -580,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads of this process (C and D; default: torch's default for this machine)")
     ap.add_argument("--json-out", default=None, help="also write the JSON result line to this file")
     ap.add_argument("--keep-storage", action="store_true", help="keep the temporary storage path (MLflow DB, checkpoints)")
+    ap.add_argument("--direct-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of the direct recipe only (sides A, C, D), e.g. rollout.micro_batch_size=32")
     ap.add_argument("overrides", nargs="*", help="extra recipe overrides key=value (applied to both recipes)")
     args = ap.parse_args(argv)
     sides = "".join(s for s in "ABCD" if s in args.sides.upper())
@@ -604,17 +606,18 @@ def main(argv: list[str] | None = None) -> int:
     storage = tempfile.mkdtemp(prefix="unirl_bench_ar_vs_trl_")
     total = args.warmup + args.blocks * args.block_steps
 
-    def recipe_for(path: str, name: str):
+    def recipe_for(path: str, name: str, extra: list[str]):
         return load_recipe(path, [
             f"trainer.run_name=bench-{name}",
             f"trainer.storage_path={storage}",
             f"trainer.num_steps={total}",
             "tracking.experiment_name=bench-ar-vs-trl",
             *args.overrides,
+            *extra,
         ])
 
-    direct = recipe_for(args.direct_recipe, "ar-direct")
-    engine = recipe_for(args.engine_recipe, "ar-engine")
+    direct = recipe_for(args.direct_recipe, "ar-direct", args.direct_override)
+    engine = recipe_for(args.engine_recipe, "ar-engine", [])
     if "B" in sides:
         check_same_task(direct, engine)
     task = Task(direct)
@@ -807,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "ar_grpo_vs_trl",
         "recipes": {"A": os.path.relpath(args.direct_recipe, REPO), "B": os.path.relpath(args.engine_recipe, REPO)},
         "overrides": args.overrides,
+        "direct_overrides": args.direct_override,
         "sides": {s: SIDE_NAMES[s] for s in sides},
         "task": task.describe(),
         "workers": task.workers,

@@ -6,7 +6,9 @@ Layouts, as the seed describes them:
   they train; no engine, no sync; each rank trains on the samples it generated.
 - **dedicated engine** (``rollout: DedicatedRollout``): a Ray Serve app generates; after every
   ``sync.every`` train steps the controller pushes versioned, verified weights to it
-  (``TensorWeightSync``) and refuses to roll out with a stale engine.
+  (``TensorWeightSync``) and refuses to roll out with a stale engine. ``placement: colocated``
+  makes engine and train workers take turns on the same devices (offload -> wake -> generate ->
+  sleep -> onload, ``colocated_rollout``).
 
 Each step, in order (``run_step``):
 

@@ -92,6 +92,11 @@ def module_device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """Decoded pixels in [-1, 1] -> uint8 in [0, 255] (same layout)."""
+    return ((pixels.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
 class FlowSDEPipeline(abc.ABC):
     """Flow-GRPO sampling / recomputation around a family's bundle (see the module docstring).
 
@@ -154,6 +159,28 @@ class FlowSDEPipeline(abc.ABC):
     @abc.abstractmethod
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents [B, *latent_shape] -> uint8 media [B, ..., 3]."""
+
+    # ------------------------------------------------------------------ helpers for the hooks
+    def _schedule_sigmas(self, scheduler: Any, **kwargs: Any) -> torch.Tensor:
+        """[T+1] float32 CPU sigmas of a diffusers flow-matching ``scheduler`` set to our step count."""
+        scheduler.set_timesteps(self.num_inference_steps, device="cpu", **kwargs)
+        return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+
+    def _guide(self, out: torch.Tensor) -> torch.Tensor:
+        """Transformer output -> float32 velocity; with CFG ``out`` is [2B, ...] (unconditional half
+        first, as the batch was doubled) and the halves are combined with ``guidance_scale``."""
+        out = out.float()
+        if self.do_cfg:
+            uncond, text = out.chunk(2)
+            out = uncond + self.guidance_scale * (text - uncond)
+        return out
+
+    def _vae_latents(self, pixels: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+        """Raw VAE latents of ``pixels`` in [-1, 1]: a posterior sample (one CPU generator per sample), or
+        its mode without generators."""
+        vae = self.bundle.vae
+        posterior = vae.encode(pixels.to(device=self.bundle.device, dtype=vae.dtype)).latent_dist
+        return posterior.mode() if generators is None else posterior.sample(generator=generators)
 
     # ------------------------------------------------------------------ setup
     def validate(self) -> None:

@@ -5,13 +5,10 @@ Light on purpose: no diffusers / transformers import, so drivers can validate co
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
-import torch
-
-from unirl_ray.core.dtypes import TORCH_DTYPES  # noqa: E402  (re-exported for callers)
+from unirl_ray.core.dtypes import TORCH_DTYPES  # noqa: F401  (re-exported for callers)
+from unirl_ray.models.diffusers_family import DiffusersFolderConfig, validate_frame_size
 
 
 @dataclass(kw_only=True)
@@ -71,60 +68,22 @@ class TinySD3Config:
 
 
 @dataclass(kw_only=True)
-class SD3PipelineConfig:
+class SD3PipelineConfig(DiffusersFolderConfig):
     """Which SD3 weights to load and in which dtype."""
 
-    pretrained_model_ckpt_path: str | None = None
-    """Local diffusers folder (with ``model_index.json``); ``None`` builds the tiny random DEMO model."""
-    torch_dtype: str = "float32"
-    """Dtype of all weights: ``float32``, ``bfloat16`` or ``float16``."""
+    family = "SD3"
+    folder_kind = "StableDiffusion3Pipeline folder (with model_index.json, transformer/, vae/, ...)"
+    written_by = "StableDiffusion3Pipeline.save_pretrained (or a downloaded diffusers SD3 repository)"
+
     seed: int = 0
     """Seed of the demo model's weights when ``tiny`` is not given (unused for a checkpoint)."""
     tiny: TinySD3Config | None = None
     """Shape knobs of the demo model; defaults to ``TinySD3Config(seed=seed)``."""
 
     def __post_init__(self) -> None:
-        if self.torch_dtype not in TORCH_DTYPES:
-            raise ValueError(
-                f"torch_dtype must be one of {sorted(TORCH_DTYPES)}, got {self.torch_dtype!r}"
-            )
+        super().__post_init__()
         if self.tiny is None:
             self.tiny = TinySD3Config(seed=self.seed)
-        path = self.pretrained_model_ckpt_path
-        if path is None:
-            return
-        if not os.path.isdir(path):
-            raise ValueError(
-                f"pretrained_model_ckpt_path {path!r} does not exist or is not a folder; expected a local "
-                "diffusers StableDiffusion3Pipeline folder (with model_index.json, transformer/, vae/, ...), "
-                "or leave it unset (null) to use the tiny demo model"
-            )
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise ValueError(
-                f"pretrained_model_ckpt_path {path!r} has no model_index.json; expected a folder written by "
-                "StableDiffusion3Pipeline.save_pretrained (or a downloaded diffusers SD3 repository)"
-            )
-
-    @property
-    def is_demo(self) -> bool:
-        """True when no checkpoint is given and the tiny random model is used."""
-        return self.pretrained_model_ckpt_path is None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """``torch_dtype`` as a ``torch.dtype``."""
-        return TORCH_DTYPES[self.torch_dtype]
-
-    def _component_config(self, component: str) -> dict:
-        assert self.pretrained_model_ckpt_path is not None
-        path = os.path.join(self.pretrained_model_ckpt_path, component, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{path!r} is missing; the SD3 folder {self.pretrained_model_ckpt_path!r} needs "
-                f"a {component}/ sub-folder with config.json"
-            )
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
 
     def latent_factor(self) -> int:
         """Image pixels per transformer token side: ``vae_scale_factor x patch_size`` (JSON only)."""
@@ -138,10 +97,4 @@ class SD3PipelineConfig:
 
     def validate_resolution(self, height: int, width: int) -> None:
         """Raise ``ValueError`` unless ``height`` and ``width`` are positive multiples of ``latent_factor()``."""
-        factor = self.latent_factor()
-        if height <= 0 or width <= 0 or height % factor or width % factor:
-            raise ValueError(
-                f"height x width = {height} x {width} must be positive multiples of {factor} "
-                f"(vae_scale_factor x patch_size of this SD3 model); e.g. use "
-                f"{max(factor, height - height % factor)} x {max(factor, width - width % factor)}"
-            )
+        validate_frame_size(height, width, self.latent_factor(), "vae_scale_factor x patch_size of this SD3 model")

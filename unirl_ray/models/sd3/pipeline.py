@@ -19,8 +19,10 @@ from unirl_ray.models.flow_sde import (  # noqa: F401  (re-exported: the SDE mat
     FlowSDEPipeline,
     gaussian_log_prob,
     sde_step_stats,
+    to_uint8,
 )
 from unirl_ray.models.sd3.bundle import SD3Bundle
+
 
 class SD3Pipeline(FlowSDEPipeline):
     """Flow-GRPO sampling / recomputation around an ``SD3Bundle`` (see ``unirl_ray.models.flow_sde``)."""
@@ -89,8 +91,7 @@ class SD3Pipeline(FlowSDEPipeline):
         kwargs = {}
         if sched.config.get("use_dynamic_shifting", False):
             kwargs["mu"] = self._dynamic_shift_mu(sched.config)
-        sched.set_timesteps(self.num_inference_steps, device="cpu", **kwargs)
-        return sched.sigmas.detach().to(torch.float32).cpu().clone()
+        return self._schedule_sigmas(sched, **kwargs)
 
     def _dynamic_shift_mu(self, cfg) -> float:
         """Resolution-dependent shift: linear in the image token count between base and max shift."""
@@ -144,11 +145,8 @@ class SD3Pipeline(FlowSDEPipeline):
             encoder_hidden_states=pe.to(dtype),
             pooled_projections=pooled.to(dtype),
             return_dict=False,
-        )[0].float()
-        if self.do_cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + self.guidance_scale * (text - uncond)
-        return out
+        )[0]
+        return self._guide(out)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
@@ -157,8 +155,7 @@ class SD3Pipeline(FlowSDEPipeline):
         shift = vae.config.get("shift_factor", None) or 0.0
         z = latents / vae.config.scaling_factor + shift
         img = vae.decode(z.to(device=self.bundle.device, dtype=vae.dtype), return_dict=False)[0]
-        img = (img.float() / 2 + 0.5).clamp(0, 1)
-        return (img * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        return to_uint8(img).permute(0, 2, 3, 1).cpu().numpy()
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
@@ -171,7 +168,6 @@ class SD3Pipeline(FlowSDEPipeline):
         Supervised flow matching (``unirl_ray.algorithms.SFT``) noises these clean latents.
         """
         vae = self.bundle.vae
-        posterior = vae.encode(pixels.to(device=self.bundle.device, dtype=vae.dtype)).latent_dist
-        z = posterior.mode() if generators is None else posterior.sample(generator=generators)
+        z = self._vae_latents(pixels, generators)
         shift = vae.config.get("shift_factor", None) or 0.0
         return (z.float() - shift) * vae.config.scaling_factor

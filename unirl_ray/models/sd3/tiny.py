@@ -15,8 +15,6 @@ Shape rules the builder follows (they are what the SD3 pipeline needs):
 
 from __future__ import annotations
 
-import string
-
 import torch
 from diffusers import (
     AutoencoderKL,
@@ -25,16 +23,10 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    T5Config,
-    T5EncoderModel,
-    T5Tokenizer,
-)
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
 
 from unirl_ray.models.sd3.config import TinySD3Config
+from unirl_ray.models.tiny_t5 import build_t5_tokenizer, build_tiny_t5_encoder
 
 __all__ = ["TinySD3Config", "build_clip_tokenizer", "build_t5_tokenizer", "build_tiny_sd3_pipeline"]
 
@@ -51,14 +43,6 @@ def build_clip_tokenizer(max_length: int = 77) -> CLIPTokenizer:
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 
-def build_t5_tokenizer() -> T5Tokenizer:
-    """A character-level unigram T5 tokenizer (pad=0, eos=1, unk=2), no extra ids."""
-    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    for c in string.ascii_letters + string.digits + string.punctuation:
-        pieces += [(c, -3.0), ("\u2581" + c, -2.5)]
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
-
-
 def _clip_encoder(cfg: TinySD3Config, tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
     config = CLIPTextConfig(
         vocab_size=len(tokenizer),
@@ -73,22 +57,6 @@ def _clip_encoder(cfg: TinySD3Config, tokenizer: CLIPTokenizer) -> CLIPTextModel
         pad_token_id=tokenizer.convert_tokens_to_ids(CLIP_EOS),
     )
     return CLIPTextModelWithProjection(config)
-
-
-def _t5_encoder(cfg: TinySD3Config, tokenizer: T5Tokenizer) -> T5EncoderModel:
-    config = T5Config(
-        vocab_size=len(tokenizer),
-        d_model=cfg.t5_d_model,
-        d_kv=8,
-        d_ff=2 * cfg.t5_d_model,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return T5EncoderModel(config)
 
 
 def _vae(cfg: TinySD3Config) -> AutoencoderKL:
@@ -133,7 +101,7 @@ def build_tiny_sd3_pipeline(cfg: TinySD3Config | None = None) -> StableDiffusion
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         enc1, enc2 = _clip_encoder(cfg, tok1), _clip_encoder(cfg, tok2)
-        enc3 = _t5_encoder(cfg, tok3)
+        enc3 = build_tiny_t5_encoder(T5EncoderModel, tok3, cfg.t5_d_model)
         vae = _vae(cfg)
         transformer = _transformer(cfg)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg.scheduler_shift)

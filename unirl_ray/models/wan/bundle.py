@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from diffusers import WanPipeline as DiffusersWanPipeline
 
+from unirl_ray.models.diffusers_family import DiffusersBundle
 from unirl_ray.models.wan.config import WanPipelineConfig
 from unirl_ray.models.wan.tiny import build_tiny_wan_pipeline
 
@@ -20,8 +20,16 @@ FROZEN_COMPONENTS = ("vae", "text_encoder")
 
 
 @dataclass(kw_only=True)
-class WanBundle:
-    """All Wan components. Frozen parts are in eval mode without grads; the transformer is left trainable."""
+class WanBundle(DiffusersBundle):
+    """All Wan components. Frozen parts are in eval mode without grads; the transformer is left trainable.
+
+    ``save_pretrained`` writes a diffusers ``WanPipeline`` folder; its transformer loads alone with
+    ``WanTransformer3DModel.from_pretrained(directory, subfolder="transformer")``.
+    """
+
+    pipeline_class = DiffusersWanPipeline
+    frozen_components = FROZEN_COMPONENTS
+    media = "videos"
 
     transformer: torch.nn.Module
     """``WanTransformer3DModel`` (the train backend may wrap it, e.g. LoRA + FSDP2, in place)."""
@@ -43,16 +51,10 @@ class WanBundle:
     def from_config(cls, config: WanPipelineConfig) -> "WanBundle":
         """Load ``config.pretrained_model_ckpt_path`` (local files only) or build the tiny demo model."""
         if config.is_demo:
-            logger.warning(
-                "Wan: no pretrained_model_ckpt_path given; building a TINY RANDOMLY INITIALISED DEMO model "
-                "(%s). Its videos are noise-like: set pretrained_model_ckpt_path for real training.",
-                config.tiny,
-            )
+            cls._warn_demo(config)
             pipe = build_tiny_wan_pipeline(config.tiny)
-            for module in (pipe.transformer, pipe.text_encoder):
-                # plain nn.Module.to: the diffusers override warns about (no) fp32 modules on every cast
-                torch.nn.Module.to(module, dtype=config.dtype)
-            torch.nn.Module.to(pipe.vae, dtype=config.vae_dtype)
+            cls._cast([pipe.transformer, pipe.text_encoder], config.dtype)
+            cls._cast([pipe.vae], config.vae_dtype)
         else:
             path = config.pretrained_model_ckpt_path
             logger.info("Wan: loading %s (%s, VAE %s)", path, config.torch_dtype, config.vae_torch_dtype)
@@ -65,64 +67,4 @@ class WanBundle:
         """Wrap the components of an existing diffusers pipeline (freezes the non-trained parts)."""
         if pipe.transformer is None:
             raise ValueError("the Wan pipeline has no transformer; this family trains a single-transformer Wan model")
-        bundle = cls(
-            transformer=pipe.transformer,
-            vae=pipe.vae,
-            text_encoder=pipe.text_encoder,
-            tokenizer=pipe.tokenizer,
-            scheduler=pipe.scheduler,
-            config=config,
-            is_demo=config.is_demo,
-            _pipe=pipe,
-        )
-        for module in bundle.frozen_modules():
-            module.eval()
-            module.requires_grad_(False)
-        return bundle
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        """VAE and text encoder (never trained)."""
-        return [getattr(self, name) for name in FROZEN_COMPONENTS]
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the VAE (where prompts are encoded and videos decoded)."""
-        return next(self.vae.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Transformer / text encoder dtype from the config."""
-        return self.config.dtype
-
-    def to(self, device: torch.device | str) -> "WanBundle":
-        """Move every component (transformer included) to ``device``; returns ``self``."""
-        for module in [self.transformer, *self.frozen_modules()]:
-            module.to(device)
-        return self
-
-    def diffusers_pipeline(self) -> DiffusersWanPipeline:
-        """A diffusers ``WanPipeline`` over these components (used for prompt encoding)."""
-        if self._pipe is None:
-            self._pipe = self._new_pipeline()
-        return self._pipe
-
-    def _new_pipeline(self) -> DiffusersWanPipeline:
-        return DiffusersWanPipeline(
-            tokenizer=self.tokenizer,
-            text_encoder=self.text_encoder,
-            vae=self.vae,
-            scheduler=self.scheduler,
-            transformer=self.transformer,
-        )
-
-    def save_pretrained(self, directory: str) -> str:
-        """Write every component as a diffusers ``WanPipeline`` folder; returns its ``transformer/``.
-
-        It loads with ``diffusers.WanPipeline.from_pretrained(directory)``, its transformer alone with
-        ``WanTransformer3DModel.from_pretrained(directory, subfolder="transformer")``, and it is a
-        valid ``pretrained_model_ckpt_path``.
-        """
-        pipe = self._new_pipeline()  # built anew: the cached pipeline may hold replaced components
-        os.makedirs(directory, exist_ok=True)
-        pipe.save_pretrained(directory)
-        return os.path.join(directory, "transformer")
+        return super().from_diffusers(pipe, config=config)

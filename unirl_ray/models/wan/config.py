@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from unirl_ray.core.dtypes import TORCH_DTYPES
+from unirl_ray.models.diffusers_family import DiffusersFolderConfig, validate_frame_size
 
 
 @dataclass(kw_only=True)
@@ -96,13 +97,17 @@ class VideoGeometry:
 
 
 @dataclass(kw_only=True)
-class WanPipelineConfig:
+class WanPipelineConfig(DiffusersFolderConfig):
     """Which Wan weights to load and in which dtype."""
 
-    pretrained_model_ckpt_path: str | None = None
-    """Local diffusers ``WanPipeline`` folder (``model_index.json``, ...); ``None`` builds the tiny DEMO model."""
-    torch_dtype: str = "float32"
-    """Dtype of the transformer and text encoder: ``float32``, ``bfloat16`` or ``float16``."""
+    family = "Wan"
+    folder_kind = (
+        "WanPipeline folder (e.g. Wan2.1-T2V-1.3B-Diffusers: model_index.json, transformer/, vae/, "
+        "text_encoder/, tokenizer/, scheduler/)"
+    )
+    written_by = "diffusers WanPipeline.save_pretrained (or a downloaded *-Diffusers Wan repository)"
+    dtype_fields = ("torch_dtype", "vae_torch_dtype")
+
     vae_torch_dtype: str = "float32"
     """Dtype of the video VAE (Wan decodes in float32: bf16 decoding shows artefacts)."""
     seed: int = 0
@@ -111,27 +116,13 @@ class WanPipelineConfig:
     """Shape knobs of the demo model; defaults to ``TinyWanConfig(seed=seed)``."""
 
     def __post_init__(self) -> None:
-        for name in ("torch_dtype", "vae_torch_dtype"):
-            if getattr(self, name) not in TORCH_DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(TORCH_DTYPES)}, got {getattr(self, name)!r}")
+        super().__post_init__()
         if self.tiny is None:
             self.tiny = TinyWanConfig(seed=self.seed)
-        path = self.pretrained_model_ckpt_path
-        if path is None:
-            return
-        if not os.path.isdir(path):
-            raise ValueError(
-                f"pretrained_model_ckpt_path {path!r} does not exist or is not a folder; expected a local diffusers "
-                "WanPipeline folder (e.g. Wan2.1-T2V-1.3B-Diffusers: model_index.json, transformer/, vae/, "
-                "text_encoder/, tokenizer/, scheduler/), or leave it unset (null) to use the tiny demo model"
-            )
-        index_path = os.path.join(path, "model_index.json")
-        if not os.path.isfile(index_path):
-            raise ValueError(
-                f"pretrained_model_ckpt_path {path!r} has no model_index.json; expected a folder written by "
-                "diffusers WanPipeline.save_pretrained (or a downloaded *-Diffusers Wan repository)"
-            )
-        with open(index_path, encoding="utf-8") as f:
+
+    def _check_folder(self, path: str) -> None:
+        super()._check_folder(path)
+        with open(os.path.join(path, "model_index.json"), encoding="utf-8") as f:
             index = json.load(f)
         if (index.get("transformer_2") or [None])[0] is not None:
             raise ValueError(
@@ -140,30 +131,9 @@ class WanPipelineConfig:
             )
 
     @property
-    def is_demo(self) -> bool:
-        """True when no checkpoint is given and the tiny random model is used."""
-        return self.pretrained_model_ckpt_path is None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """``torch_dtype`` as a ``torch.dtype``."""
-        return TORCH_DTYPES[self.torch_dtype]
-
-    @property
     def vae_dtype(self) -> torch.dtype:
         """``vae_torch_dtype`` as a ``torch.dtype``."""
         return TORCH_DTYPES[self.vae_torch_dtype]
-
-    def _component_config(self, component: str) -> dict:
-        assert self.pretrained_model_ckpt_path is not None
-        path = os.path.join(self.pretrained_model_ckpt_path, component, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{path!r} is missing; the Wan folder {self.pretrained_model_ckpt_path!r} needs "
-                f"a {component}/ sub-folder with config.json"
-            )
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
 
     def geometry(self) -> VideoGeometry:
         """VAE factors and transformer patch (tiny config, or the checkpoint's JSON only)."""
@@ -189,12 +159,7 @@ class WanPipelineConfig:
         """Raise ``ValueError`` (with the nearest valid values) unless the clip fits the VAE and patch sizes."""
         g = self.geometry()
         factor = self.latent_factor()
-        if height <= 0 or width <= 0 or height % factor or width % factor:
-            raise ValueError(
-                f"height x width = {height} x {width} must be positive multiples of {factor} "
-                f"(VAE spatial factor {g.spatial} x patch size of this Wan model); e.g. use "
-                f"{max(factor, height - height % factor)} x {max(factor, width - width % factor)}"
-            )
+        validate_frame_size(height, width, factor, f"VAE spatial factor {g.spatial} x patch size of this Wan model")
         t = g.temporal
         if num_frames < 1 or (num_frames - 1) % t or g.latent_frames(num_frames) % g.patch[0]:
             lower = 1 + max(0, num_frames - 1) // t * t

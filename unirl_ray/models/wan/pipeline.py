@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from unirl_ray.models.flow_sde import FlowSDEPipeline
+from unirl_ray.models.flow_sde import FlowSDEPipeline, to_uint8
 from unirl_ray.models.wan.bundle import WanBundle
 
 
@@ -95,8 +95,7 @@ class WanPipeline(FlowSDEPipeline):
         else:
             shift = float(cfg.get("flow_shift", None) or cfg.get("shift", None) or 1.0)
             sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.num_train_timesteps, shift=shift)
-        sched.set_timesteps(self.num_inference_steps, device="cpu")
-        return sched.sigmas.detach().to(torch.float32).cpu().clone()
+        return self._schedule_sigmas(sched)
 
     # ------------------------------------------------------------------ conditioning
     @torch.no_grad()
@@ -130,11 +129,7 @@ class WanPipeline(FlowSDEPipeline):
             x, t = torch.cat([x, x]), torch.cat([t, t])
             pe = torch.cat([cond["negative_prompt_embeds"], pe])
         out = module(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=pe.to(dtype), return_dict=False)[0]
-        out = out.float()
-        if self.do_cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + self.guidance_scale * (text - uncond)
-        return out
+        return self._guide(out)
 
     def _latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel VAE latent mean and std, [1, C, 1, 1, 1] float32 on the bundle's device."""
@@ -151,15 +146,12 @@ class WanPipeline(FlowSDEPipeline):
         mean, std = self._latent_stats()
         z = latents.to(device=self.bundle.device, dtype=torch.float32) * std + mean
         video = vae.decode(z.to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
-        video = (video.float() / 2 + 0.5).clamp(0, 1)
-        return (video * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu().numpy()
+        return to_uint8(video).permute(0, 2, 3, 4, 1).cpu().numpy()
 
     @torch.no_grad()
     def encode_videos(self, pixels: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
         """Videos [B, 3, F, H, W] in [-1, 1] -> float32 latents [B, *latent_shape], the inverse of ``decode``:
         a sample of the VAE posterior (one CPU generator per video; its mode without), normalised."""
-        vae = self.bundle.vae
-        posterior = vae.encode(pixels.to(device=self.bundle.device, dtype=vae.dtype)).latent_dist
-        z = posterior.mode() if generators is None else posterior.sample(generator=generators)
+        z = self._vae_latents(pixels, generators)
         mean, std = self._latent_stats()
         return (z.float() - mean) / std

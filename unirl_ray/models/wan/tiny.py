@@ -11,28 +11,12 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 from diffusers import WanPipeline as DiffusersWanPipeline
-from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+from transformers import UMT5EncoderModel
 
-from unirl_ray.models.sd3.tiny import build_t5_tokenizer
+from unirl_ray.models.tiny_t5 import build_t5_tokenizer, build_tiny_t5_encoder
 from unirl_ray.models.wan.config import TinyWanConfig
 
 __all__ = ["TinyWanConfig", "build_tiny_wan_pipeline"]
-
-
-def _text_encoder(cfg: TinyWanConfig, tokenizer: T5Tokenizer) -> UMT5EncoderModel:
-    config = UMT5Config(
-        vocab_size=len(tokenizer),
-        d_model=cfg.text_dim,
-        d_kv=8,
-        d_ff=2 * cfg.text_dim,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return UMT5EncoderModel(config)
 
 
 def _vae(cfg: TinyWanConfig) -> AutoencoderKLWan:
@@ -71,7 +55,7 @@ def build_tiny_wan_pipeline(cfg: TinyWanConfig | None = None) -> DiffusersWanPip
     tokenizer = build_t5_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        text_encoder = _text_encoder(cfg, tokenizer)
+        text_encoder = build_tiny_t5_encoder(UMT5EncoderModel, tokenizer, cfg.text_dim)
         vae = _vae(cfg)
         transformer = _transformer(cfg)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg.scheduler_shift)

@@ -1,10 +1,13 @@
-"""Helpers the benchmarks share (timing statistics, CPU accounting)."""
+"""Helpers the benchmarks share: offline environment, timing statistics, CPU accounting, report plumbing
+(number cells, plain-text tables, the JSON result line)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
+from pathlib import Path
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -43,3 +46,51 @@ def cpu_seconds() -> tuple[float, float]:
         except psutil.Error:
             pass
     return own.user + own.system, children
+
+
+# ---------------------------------------------------------------------------------------------
+# report plumbing: number cells, tables, the JSON result line
+
+
+def fmt_num(x: float | None, width: int = 7, digits: int = 3, *, unit: str = "", missing: str = "-") -> str:
+    """``x`` right-aligned in ``width`` characters with ``digits`` decimals and ``unit`` appended;
+    ``missing`` (right-aligned in ``width + len(unit)``) when ``x`` is None or not finite."""
+    if x is None or not math.isfinite(x):
+        return f"{missing:>{width + len(unit)}}"
+    return f"{x:{width}.{digits}f}{unit}"
+
+
+def table_lines(header: list[str], rows: list[list[str]], widths: list[int], *, gap: int = 1) -> list[str]:
+    """A plain-text table: the first column left-aligned to its width, the others right-aligned,
+    columns separated by ``gap`` spaces. Cells are strings (format numbers with ``fmt_num``)."""
+    if any(len(row) != len(widths) for row in [header, *rows]):
+        raise ValueError(f"every row needs {len(widths)} cells (one per width)")
+    sep = " " * gap
+
+    def line(cells: list[str]) -> str:
+        return sep.join([f"{cells[0]:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:]))])
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def print_table(header: list[str], rows: list[list[str]], widths: list[int], *, gap: int = 1) -> None:
+    """Print ``table_lines``."""
+    for text in table_lines(header, rows, widths, gap=gap):
+        print(text)
+
+
+def emit_json(result: dict, json_out: str | None, *, sort_keys: bool = True) -> str:
+    """Print the result as one JSON line (flushed) and, when ``json_out`` is set, write it there too."""
+    line = json.dumps(result, sort_keys=sort_keys)
+    print(line, flush=True)
+    if json_out:
+        Path(json_out).write_text(line + "\n", encoding="utf-8")
+    return line
+
+
+def loadavg_1min() -> float:
+    """The 1-minute load average (NaN where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")

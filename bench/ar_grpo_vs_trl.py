@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
 import os
 import platform
@@ -48,7 +47,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from _common import cpu_seconds, median, offline_env  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
+)
 
 offline_env()
 
@@ -69,9 +70,7 @@ STAGES = ("rollout", "reward", "train", "sync")
 
 
 def _fmt(x: float | None, width: int = 7, digits: int = 3) -> str:
-    if x is None or not np.isfinite(x):
-        return f"{'-':>{width}}"
-    return f"{x:{width}.{digits}f}"
+    return fmt_num(x, width, digits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,10 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {task.describe()}; A/B: {task.workers} Ray Train workers; C/D: torch threads {torch.get_num_threads()}")
     print(f"  warm-up {args.warmup} steps each, then {args.blocks} blocks x {args.block_steps} steps, order "
           f"{' '.join(schedule_log)}; medians over {len(measured)} measured steps per side")
-    header = (f"{'side':<44} {'step':>7} {'min':>7} {'wall':>7} {'rollout':>7} {'reward':>7} {'train':>7} {'sync':>7} "
-              f"{'CPU-s':>7} {'x D':>6} {'-D ms':>7} {'reach':>6} {'r@1':>6} {'r last5':>7}")
-    print(header)
     d = stats.get("D", {}).get("step_median_s")
+    rows = []
     for side in sides:
         st = stats[side]
         sm = st["stages_median_s"]
@@ -750,10 +747,13 @@ def main(argv: list[str] | None = None) -> int:
         over = (st["step_median_s"] - d) * 1e3 if d else float("nan")
         reach = st["steps_to_threshold"]
         cpu_total = sum(st["cpu_s_per_step_median"].values())
-        print(f"{side} {SIDE_NAMES[side]:<42} {_fmt(st['step_median_s'])} {_fmt(st['step_min_s'])} "
-              f"{_fmt(st['wall_per_step_median_s'])} {_fmt(sm['rollout'])} {_fmt(sm['reward'])} {_fmt(sm['train'])} "
-              f"{_fmt(sm['sync'])} {_fmt(cpu_total)} {_fmt(ratio, 6, 2)} {_fmt(over, 7, 0)} "
-              f"{(str(reach) if reach else f'>{total}'):>6} {_fmt(st['reward_step1'], 6, 3)} {_fmt(st['reward_last5_mean'], 7, 3)}")
+        rows.append([f"{side} {SIDE_NAMES[side]}", _fmt(st["step_median_s"]), _fmt(st["step_min_s"]),
+                     _fmt(st["wall_per_step_median_s"]), _fmt(sm["rollout"]), _fmt(sm["reward"]), _fmt(sm["train"]),
+                     _fmt(sm["sync"]), _fmt(cpu_total), _fmt(ratio, 6, 2), _fmt(over, 7, 0),
+                     str(reach) if reach else f">{total}", _fmt(st["reward_step1"], 6, 3),
+                     _fmt(st["reward_last5_mean"], 7, 3)])
+    print_table(["side", "step", "min", "wall", "rollout", "reward", "train", "sync", "CPU-s", "x D", "-D ms", "reach",
+                 "r@1", "r last5"], rows, [44, 7, 7, 7, 7, 7, 7, 7, 7, 6, 7, 6, 6, 7])
     print("  step = the side's own per-step timer (A/B: timing/step; C: one whole TRL loop iteration; D: the whole step),"
           " seconds, median; wall = block wall time / steps (A/B: + MLflow logging and checkpoints); C's rollout ="
           " generation + reward + advantages; CPU-s = CPU seconds per step of this process and the Ray processes;"
@@ -830,10 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                  "torch_threads": torch.get_num_threads()},
     }
-    line = json.dumps(result, sort_keys=True)
-    print(line, flush=True)
-    if args.json_out:
-        Path(args.json_out).write_text(line + "\n", encoding="utf-8")
+    emit_json(result, args.json_out)
     return 0
 
 

@@ -25,7 +25,6 @@ See bench/README.md for what is measured and how to read it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -35,7 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import cpu_seconds, median, offline_env  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
+)
 
 offline_env()
 
@@ -233,7 +234,7 @@ def _thread_niceness() -> list[int]:
 
 
 def _fmt(x: float, unit: str = "") -> str:
-    return f"{'n/a':>{7 + len(unit)}}" if not np.isfinite(x) else f"{x:7.3f}{unit}"
+    return fmt_num(x, unit=unit, missing="n/a")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,10 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm-up {args.warmup} steps each, then {args.blocks} blocks x {args.block_steps} steps, "
           f"order {' '.join(schedule)}; medians over {len(measured)} measured steps per side")
     width = max(len(r[0]) for r in rows)
-    print(f"{'seconds per RL step (median)':<{width}}   A trainer    B bare      A/B")
+    cells = []
     for name, va, vb, *show in rows:
         r = va / vb if (show or [True])[0] and np.isfinite(va) and np.isfinite(vb) and vb > 0 else float("nan")
-        print(f"{name:<{width}}  {_fmt(va, 's')}   {_fmt(vb, 's')}  {_fmt(r)}")
+        cells.append([name, _fmt(va, "s"), _fmt(vb, "s"), _fmt(r)])
+    print_table(["seconds per RL step (median)", "A trainer", "B bare", "A/B"], cells, [width, 10, 11, 9], gap=0)
     print(f"RATIO A/B (timing/step medians) = {ratio:.2f}x   (wall/step: {wall_a / wall_b:.2f}x)")
     print(f"per block pair A/B: {' '.join(f'{r:.2f}' for r in pair_ratios)} (median {median(pair_ratios):.2f}); "
           f"fastest step: A {a_min:.3f}s, B {b_min:.3f}s, ratio {a_min / b_min:.2f}x")
@@ -440,10 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1min": {"start": load_start, "end": load_end},
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
     }
-    line = json.dumps(result, sort_keys=True)
-    print(line, flush=True)
-    if args.json_out:
-        Path(args.json_out).write_text(line + "\n", encoding="utf-8")
+    emit_json(result, args.json_out)
     return 0
 
 

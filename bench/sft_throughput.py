@@ -47,7 +47,7 @@ import time
 import warnings
 from pathlib import Path
 
-from _common import median, offline_env  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import emit_json, median, offline_env, print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 offline_env()
 
@@ -442,11 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nSFT throughput, median over {args.blocks} x {args.block_steps} steps per side after {args.warmup} warm-up "
           f"steps ({platform.machine()}, {os.cpu_count()} cores, {args.workers} trainer worker(s), torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads in this process; the 32 records x {args.repeat})")
-    print(f"{'side':<26} {'s/step':>8} {'wall/step':>10} {'tokens/step':>12} {'tokens/s':>10}")
-    for s in sides:
-        r = result[s]
-        print(f"{s} {SIDE_NAMES[s]:<24} {r['s_per_step']:8.4f} {r['wall_s_per_step']:10.4f} {r['tokens_per_step']:12.0f} "
-              f"{r['tokens_per_s']:10.0f}")
+    print_table(["side", "s/step", "wall/step", "tokens/step", "tokens/s"],
+                [[f"{s} {SIDE_NAMES[s]}", f"{result[s]['s_per_step']:.4f}", f"{result[s]['wall_s_per_step']:.4f}",
+                  f"{result[s]['tokens_per_step']:.0f}", f"{result[s]['tokens_per_s']:.0f}"] for s in sides],
+                [26, 8, 10, 12, 10])
     if "A" in result:
         a = result["A"]
         print(f"A split: TrainStack.train on rank 0 {a['stack_s_per_step']:.4f} s, records -> rows (max over ranks) "
@@ -459,11 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"RATIO {s}/B: {ratio:.3f} (s/step), {tok:.3f} (B tokens/s over {s} tokens/s)")
             result[f"ratio_{s}_over_B"] = ratio
             result[f"tokens_per_s_ratio_B_over_{s}"] = tok
-    line = json.dumps({"bench": "sft_throughput", "workers": args.workers, "width": args.width or None, "repeat": args.repeat,
-                       "threads": torch.get_num_threads(), **result})
-    print(line)
-    if args.json_out:
-        Path(args.json_out).write_text(line + "\n")
+    emit_json({"bench": "sft_throughput", "workers": args.workers, "width": args.width or None, "repeat": args.repeat,
+               "threads": torch.get_num_threads(), **result}, args.json_out, sort_keys=False)
     return 0
 
 

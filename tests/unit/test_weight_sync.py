@@ -69,3 +69,15 @@ def test_engine_refuses_corrupt_or_foreign_weights_and_keeps_its_version(engine)
     engine.load_weights(8, state, state_checksum(state))
     assert engine.status()["version"] == 8
     assert torch.equal(dict(engine.module.named_parameters())[name], state[name])
+
+
+def test_checksum_of_live_parameters_leaves_them_offloadable():
+    """A one-rank export hands over the live parameters: hashing them must not pin their storage."""
+    from unirl_ray.train.backend.offload import StorageOffloader
+
+    layer = torch.nn.Linear(4, 3)
+    before = state_checksum(dict(layer.named_parameters()))
+    offloader = StorageOffloader(torch.device("cpu"))
+    assert offloader.offload(list(layer.parameters())) > 0
+    offloader.onload()
+    assert state_checksum(dict(layer.named_parameters())) == before

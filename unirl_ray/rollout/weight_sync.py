@@ -22,6 +22,8 @@ def state_checksum(state: dict[str, torch.Tensor]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(state):
         tensor = state[name].detach().cpu().contiguous()
+        if tensor.untyped_storage().data_ptr() == state[name].untyped_storage().data_ptr():
+            tensor = tensor.clone()  # .numpy() would pin a live parameter's storage (no offload afterwards)
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()

@@ -66,6 +66,19 @@ class StageAlgorithm(ABC):
         """
         return float(len(samples))
 
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the loss needs the proximal policy's log-probs (decoupled off-policy correction): the
+        stack then calls ``proximal_log_probs`` on every micro-batch of the shard before the first update
+        and stores the result in ``segment["proximal_log_probs"]``."""
+        return False
+
+    def proximal_log_probs(
+        self, samples: list[Sample], segment: dict[str, Any], policy: torch.nn.Module
+    ) -> dict[str, torch.Tensor]:
+        """``{sample_id: log-probs}`` of ``samples`` under ``policy`` now (no grad); see ``needs_proximal``."""
+        raise TypeError(f"{type(self).__name__} has no proximal log-probs: it trains without an off-policy correction")
+
     def prepare_segment(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
         """Freeze pi_old for one rollout shard; return per-segment state for the loss.
 

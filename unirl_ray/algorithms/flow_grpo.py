@@ -21,6 +21,8 @@ Variants are options, not forks:
   recorded log-prob are candidates). ``timestep_fraction`` trains a random subset of those.
 - DanceGRPO's shared initial noise within a group: ``pipeline.share_initial_noise``.
 - CFG on/off: ``pipeline.guidance_scale`` (1 = off); KL to the reference on/off: ``kl_beta`` (0 = off).
+- Stale samples (async trainers): ``off_policy: {mode: decoupled}`` clips around the proximal policy and
+  weights each step by ``pi_prox / pi_behav`` (see ``unirl_ray.algorithms.off_policy``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from unirl_ray.algorithms.advantages import group_advantages
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.algorithms.off_policy import OffPolicyCorrection, correction_stats
 from unirl_ray.core.sample import DiffusionPart, Sample
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class FlowGRPO(StageAlgorithm):
         normalize_std: bool = True,
         kl_beta: float = 0.0,
         timestep_fraction: float = 1.0,
+        off_policy: OffPolicyCorrection | dict[str, Any] | str | None = None,
         pipeline: Any = None,
     ) -> None:
         """
@@ -90,8 +94,11 @@ class FlowGRPO(StageAlgorithm):
             normalize_std: Divide group advantages by the group's reward std.
             kl_beta: Weight of the exact KL to the reference's Gaussian transitions (0 disables it).
             timestep_fraction: Fraction of each trajectory's SDE steps trained (a random subset, at least one).
+            off_policy: Correction for samples drawn by an older policy (``unirl_ray.algorithms.off_policy``):
+                ``{mode: none}`` (default) or ``{mode: decoupled, is_cap: 2.0, cap_policy: truncate}``.
         """
         super().__init__(pipeline=pipeline)
+        self.off_policy = OffPolicyCorrection.of(off_policy)
         if not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"group_size must be an int >= 2 (group-relative advantages), got {group_size!r}")
         if not clip_range > 0:
@@ -112,6 +119,10 @@ class FlowGRPO(StageAlgorithm):
     @property
     def needs_reference(self) -> bool:
         return self.kl_beta > 0
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.off_policy.decoupled
 
     def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
         """Group-relative advantages by ``sample.group_id`` from ``sample.reward`` (set in place)."""
@@ -161,6 +172,19 @@ class FlowGRPO(StageAlgorithm):
             )
         return {"timesteps": timesteps, "old_log_probs": old}
 
+    def proximal_log_probs(self, samples: list[Sample], segment: dict[str, Any], policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``{sample_id: Tensor[T]}``: log-probs of the chosen steps under ``policy`` as it is now (no grad;
+        NaN at the steps not trained)."""
+        idx = torch.stack([segment["timesteps"][s.sample_id] for s in samples])
+        batch = self.pipeline.collate([diffusion_part(s) for s in samples])
+        prox = torch.full((len(samples), diffusion_part(samples[0]).num_steps), float("nan"))
+        rows = torch.arange(len(samples))
+        with torch.no_grad():
+            for k in range(idx.shape[1]):
+                logp, _, _ = self.pipeline.step_log_prob(policy, batch, idx[:, k])
+                prox[rows, idx[:, k]] = logp.detach().float().cpu()
+        return {s.sample_id: prox[b].clone() for b, s in enumerate(samples)}
+
     def _advantages(self, samples: list[Sample]) -> torch.Tensor:
         """[B] clamped advantages (a part's own advantage overrides the sample's)."""
         values = []
@@ -183,6 +207,8 @@ class FlowGRPO(StageAlgorithm):
         try:
             idx = torch.stack([segment["timesteps"][s.sample_id] for s in samples])
             old = torch.stack([segment["old_log_probs"][s.sample_id] for s in samples])
+            prox = torch.stack([segment["proximal_log_probs"][s.sample_id] for s in samples]) if (
+                self.off_policy.decoupled) else None
         except KeyError as err:
             raise ValueError(f"sample {err} is not in this segment; call prepare_segment on its shard first") from err
         batch = self.pipeline.collate([diffusion_part(s) for s in samples])
@@ -192,9 +218,9 @@ class FlowGRPO(StageAlgorithm):
         num_slots = idx.shape[1]
         for k in range(num_slots):
             j = idx[:, k]
-            stats = self._slot_loss(ctx, batch, j, old[rows, j], adv, num_slots)
+            stats = self._slot_loss(ctx, batch, j, old[rows, j], adv, num_slots, None if prox is None else prox[rows, j])
             for name, value in stats.items():
-                sums[name] = sums.get(name, 0.0) + value
+                sums[name] = max(sums.get(name, value), value) if name.endswith("_max") else sums.get(name, 0.0) + value
         count = float(len(samples) * num_slots)
         sums["count"] = count
         sums["logp_gap_count"] = count if ctx.first_pass else 0.0
@@ -210,14 +236,21 @@ class FlowGRPO(StageAlgorithm):
         old_logp: torch.Tensor,
         adv: torch.Tensor,
         num_slots: int,
+        prox_logp: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        """Loss of one step slot (step_index, old_logp, adv: [B]); backward; per-pair metric sums."""
+        """Loss of one step slot (step_index, old_logp, adv, prox_logp: [B]); backward; per-pair metric sums."""
         logp, mean, std = self.pipeline.step_log_prob(ctx.policy, batch, step_index)
         old_logp, adv = old_logp.to(logp.device), adv.to(logp.device)
-        log_ratio = logp - old_logp
+        anchor = old_logp if prox_logp is None else prox_logp.to(logp.device)
+        log_ratio = logp - anchor
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
         per_pair = torch.maximum(-adv * ratio, -adv * clipped)
+        is_stats: dict[str, float] = {}
+        if prox_logp is not None:  # decoupled PPO: weight by pi_prox / pi_behav (detached, capped)
+            used, raw, capped = self.off_policy.weights(anchor, old_logp)
+            per_pair = per_pair * used
+            is_stats = correction_stats(raw, capped, anchor - old_logp)
         kl = torch.zeros_like(per_pair)
         if self.kl_beta > 0:
             with ctx.reference() as ref, torch.no_grad():
@@ -234,7 +267,8 @@ class FlowGRPO(StageAlgorithm):
             "clip_frac": ((ratio.detach() - 1).abs() > self.clip_range).float().sum().item(),
             "approx_kl": (0.5 * log_ratio**2).sum().item(),
             "ratio": ratio.detach().sum().item(),
+            **is_stats,
         }
         if ctx.first_pass:
-            out["logp_gap"] = log_ratio.abs().sum().item()
+            out["logp_gap"] = (logp.detach() - old_logp).abs().sum().item()
         return out

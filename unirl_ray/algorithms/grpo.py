@@ -55,6 +55,7 @@ import torch
 
 from unirl_ray.algorithms.advantages import group_advantages
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.algorithms.off_policy import OffPolicyCorrection, correction_stats
 from unirl_ray.core.sample import Sample, TextPart
 
 logger = logging.getLogger(__name__)
@@ -229,9 +230,11 @@ class GRPO(StageAlgorithm):
         kl_beta: float = 0.0,
         kl_estimator: KLEstimator = "k3",
         entropy_coef: float = 0.0,
+        off_policy: OffPolicyCorrection | dict[str, Any] | str | None = None,
         pipeline: Any = None,
     ) -> None:
         super().__init__(pipeline=pipeline)
+        self.off_policy = OffPolicyCorrection.of(off_policy)
         if not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"group_size must be an int >= 2 (group-relative advantages), got {group_size!r}")
         if advantage_estimator not in _ESTIMATORS:
@@ -263,6 +266,10 @@ class GRPO(StageAlgorithm):
     @property
     def needs_reference(self) -> bool:
         return self.kl_beta > 0
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.off_policy.decoupled
 
     # ------------------------------------------------------------------ driver side
     def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
@@ -320,6 +327,19 @@ class GRPO(StageAlgorithm):
             old[s.sample_id] = part.log_probs.detach().float().clone()
         return {"old_log_probs": old}
 
+    def proximal_log_probs(self, samples: list[Sample], segment: dict[str, Any], policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``{sample_id: Tensor[C]}``: the completion tokens' log-probs under ``policy`` as it is now (no grad)."""
+        parts = [text_part(s) for s in samples]
+        batch = self.pipeline.collate(parts)
+        with torch.no_grad():
+            logp, _ = self.pipeline.token_log_probs(policy, batch)
+        logp = logp.detach().float().cpu()
+        out = {}
+        for b, (s, p) in enumerate(zip(samples, parts)):
+            start = len(p.prompt_ids) - 1
+            out[s.sample_id] = logp[b, start : start + len(p.completion_ids)].clone()
+        return out
+
     def _advantages(self, samples: list[Sample]) -> torch.Tensor:
         """[B] advantages (a part's own advantage overrides the sample's)."""
         values = []
@@ -369,8 +389,21 @@ class GRPO(StageAlgorithm):
         old = batch["old_log_probs"].to(logp.device)
         adv = self._advantages(samples).to(logp.device)
 
-        log_ratio = (logp - old) * mask  # masked before exp: positions outside completions hold garbage
+        anchor, is_stats = old, {}
+        if self.off_policy.decoupled:  # clip around the proximal policy, weight by pi_prox / pi_behav
+            try:
+                prox_parts = [dataclasses.replace(p, log_probs=segment["proximal_log_probs"][s.sample_id])
+                              for p, s in zip(parts, samples)]
+            except KeyError as err:
+                raise ValueError(f"no proximal log-probs for sample {err}: off_policy.mode=decoupled needs the "
+                                 "TrainStack to compute them (needs_proximal)") from err
+            anchor = self.pipeline.collate(prox_parts)["old_log_probs"].to(logp.device)
+        log_ratio = (logp - anchor) * mask  # masked before exp: positions outside completions hold garbage
         pg, ratio = clipped_policy_loss(log_ratio, adv, clip_low=self.clip_low, clip_high=self.clip_high)
+        if self.off_policy.decoupled:
+            used, raw, capped = self.off_policy.weights(anchor * mask, old * mask)
+            pg = pg * used
+            is_stats = correction_stats(raw, capped, (anchor - old) * mask, mask)
         kl = torch.zeros_like(pg)
         if self.kl_beta > 0:
             with ctx.reference() as ref, torch.no_grad():
@@ -400,8 +433,9 @@ class GRPO(StageAlgorithm):
                 "approx_kl": (0.5 * lr**2 * mask).sum().item(),
                 "ratio": (ratio.detach() * mask).sum().item(),
                 "count": n_tokens,
-                "logp_gap": (lr.abs() * mask).sum().item() if ctx.first_pass else 0.0,
+                "logp_gap": (((logp.detach() - old) * mask).abs()).sum().item() if ctx.first_pass else 0.0,
                 "logp_gap_count": n_tokens if ctx.first_pass else 0.0,
+                **is_stats,
             }
         return out
 

@@ -105,6 +105,11 @@ class TrainStack:
         mini = self.rank_mini_batch(len(samples), world)
         t0 = time.perf_counter()
         segment = self.algorithm.prepare_segment(samples, seed=seed)
+        t_prox = 0.0
+        if getattr(self.algorithm, "needs_proximal", False):  # off-policy correction: pi_prox before any update
+            t1 = time.perf_counter()
+            segment["proximal_log_probs"] = self._proximal(samples, segment)
+            t_prox = time.perf_counter() - t1
         sums: dict[str, float] = {}
         opt_metrics: dict[str, float] = {}
         n_opt = 0
@@ -129,12 +134,23 @@ class TrainStack:
         metrics["timing/train_step"] = time.perf_counter() - t0
         metrics["timing/forward_backward"] = t_loss  # loss + backward of every micro-batch (rank 0)
         metrics["timing/optimizer_step"] = t_opt  # clip + AdamW + schedule (rank 0)
+        if t_prox:
+            metrics["timing/proximal_log_probs"] = t_prox  # the decoupled-PPO recompute (rank 0)
         return TrainStepResult(
             metrics=metrics,
             policy_version=self.policy_version,
             num_samples=len(samples) * world,
             num_optimizer_steps=n_opt,
         )
+
+    def _proximal(self, samples: list[Sample], segment: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The algorithm's log-probs under the current weights (the proximal policy), per micro-batch, no grad."""
+        out: dict[str, torch.Tensor] = {}
+        micro = self.cfg.micro_batch_size
+        with torch.no_grad():
+            for start in range(0, len(samples), micro):
+                out.update(self.algorithm.proximal_log_probs(samples[start : start + micro], segment, self.backend.module))
+        return out
 
     def _mini_batch(self, batch: list[Sample], segment: dict[str, Any], *, first_pass: bool) -> dict[str, float]:
         micro = self.cfg.micro_batch_size
@@ -169,21 +185,26 @@ class TrainStack:
 
     @staticmethod
     def _accumulate(into: dict[str, float], part: dict[str, float]) -> None:
+        """Sum metric parts; keys ending in ``_max`` keep the maximum."""
         for k, v in part.items():
-            into[k] = into.get(k, 0.0) + float(v)
+            into[k] = max(into.get(k, float(v)), float(v)) if k.endswith("_max") else into.get(k, 0.0) + float(v)
 
     def _reduce(self, sums: dict[str, float], opt: dict[str, float], n_opt: int) -> dict[str, float]:
         """Average metric sums over loss units on all ranks; optimizer metrics over steps."""
+        maxima = {k: sums.pop(k) for k in sorted(sums) if k.endswith("_max")}
         keys = sorted(sums)
         values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        peaks = torch.tensor(list(maxima.values()), dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            values = values.to(device)
+            values, peaks = values.to(device), peaks.to(device)
             dist.all_reduce(values)
-            values = values.cpu()
+            if maxima:  # the same keys on every rank (same algorithm, same options)
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            values, peaks = values.cpu(), peaks.cpu()
         totals = dict(zip(keys, values.tolist()))
         count = max(totals.pop("count", 1.0), 1.0)
-        out: dict[str, float] = {}
+        out: dict[str, float] = {f"algo/{k}": v for k, v in zip(maxima, peaks.tolist())}
         for k, v in totals.items():
             if k.endswith("_count"):
                 continue

@@ -164,18 +164,24 @@ class DedicatedEngine:
         self._verify(reports, self.version)
         return {"seconds": time.perf_counter() - t0}
 
-    def generate(self, requests: list[dict[str, Any]]) -> list[Sample]:
-        """Split over replicas (``requests_per_call`` each), with bounded retries per call."""
+    def generate(self, requests: list[dict[str, Any]], *, min_version: int | None = None) -> list[Sample]:
+        """Split over replicas (``requests_per_call`` each), with bounded retries per call.
+
+        By default every replica must serve exactly the last published version. ``min_version``
+        (async trainers) accepts that version or any newer one; each sample carries the version
+        that generated it.
+        """
         if self.version < 0:
             raise StaleWeightsError("no weights were published to the engine yet; push weights before rolling out")
+        version, at_least = (self.version, False) if min_version is None else (min_version, True)
         chunks = [requests[i : i + self.cfg.requests_per_call] for i in range(0, len(requests), self.cfg.requests_per_call)]
-        pending = {i: self.handle.generate.remote(chunk, self.version) for i, chunk in enumerate(chunks)}
+        pending = {i: self.handle.generate.remote(chunk, version, at_least) for i, chunk in enumerate(chunks)}
         results: dict[int, list[Sample]] = {}
         for i, response in pending.items():
-            results[i] = self._result_with_retries(response, chunks[i])
+            results[i] = self._result_with_retries(response, chunks[i], version, at_least)
         return [s for i in range(len(chunks)) for s in results[i]]
 
-    def _result_with_retries(self, response: Any, chunk: list[dict[str, Any]]) -> list[Sample]:
+    def _result_with_retries(self, response: Any, chunk: list[dict[str, Any]], version: int, at_least: bool) -> list[Sample]:
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 return response.result(timeout_s=self.cfg.timeout_s)
@@ -184,7 +190,7 @@ class DedicatedEngine:
                     raise RuntimeError(f"rollout engine call failed after {attempt + 1} attempts: {exc}") from exc
                 log.warning("rollout engine call failed (%s); retrying (%d/%d)", exc, attempt + 1, self.cfg.max_retries)
                 time.sleep(min(2.0 * (attempt + 1), 10.0))  # let Serve replace a dead replica
-                response = self.handle.generate.remote(chunk, self.version)
+                response = self.handle.generate.remote(chunk, version, at_least)
         raise AssertionError("unreachable")
 
     def status(self) -> list[dict[str, Any]]:

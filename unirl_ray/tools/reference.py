@@ -45,7 +45,7 @@ AREAS: tuple[tuple[str, str, str], ...] = (
     ("runtime", "unirl_ray.runtime", "The `ray:` section."),
     ("trainers", "unirl_ray.trainer",
      "The `trainer:` section (a `RunConfig`) and the domain trainers that run a recipe "
-     "(`python -m unirl_ray.train_ar` / `train_diffusion`)."),
+     "(`python -m unirl_ray.train_ar` / `train_diffusion` / `train_async_ar` / `train_async_diffusion` / `train_sft`)."),
 )
 """(title, package, what it holds) in the order the reference shows them."""
 
@@ -59,9 +59,11 @@ MODULE_ORDER: tuple[str, ...] = (
     "unirl_ray.algorithms.base",
     "unirl_ray.algorithms.grpo",
     "unirl_ray.algorithms.flow_grpo",
+    "unirl_ray.algorithms.off_policy",
     "unirl_ray.models.causal_lm.config",
     "unirl_ray.models.causal_lm.bundle",
     "unirl_ray.models.causal_lm.pipeline",
+    "unirl_ray.models.diffusers_family",
     "unirl_ray.models.sd3.config",
     "unirl_ray.models.sd3.bundle",
     "unirl_ray.models.sd3.pipeline",
@@ -76,6 +78,7 @@ MODULE_ORDER: tuple[str, ...] = (
     "unirl_ray.trainer.rl",
     "unirl_ray.trainer.ar",
     "unirl_ray.trainer.diffusion",
+    "unirl_ray.trainer.async_rl",
 )
 """Reading order of modules inside an area; modules not named here follow alphabetically."""
 
@@ -86,6 +89,7 @@ INTERNAL_MODULES = (
     "unirl_ray.runtime.train_group",
     "unirl_ray.runtime.worker",
     "unirl_ray.rewards.service",
+    "unirl_ray.rollout.async_stream",
     "unirl_ray.rollout.engines",
     "unirl_ray.train.backend.dcp_io",
 )

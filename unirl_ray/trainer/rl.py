@@ -209,6 +209,11 @@ class RLTrainer(BaseTrainer):
     # ------------------------------------------------------------- one step
     def run_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
+        samples, metrics = self.collect(step)
+        return self.learn(step, samples, metrics, t_step)
+
+    def collect(self, step: int) -> tuple[list[Sample], dict[str, Any]]:
+        """This step's scored samples: prompts -> rollout -> reward (the async trainers take them from a stream)."""
         rows = self.data.next_batch(self.prompts_per_step)
         self.prompt_log.append((step, [row["prompt"] for row in rows]))
         requests = self.make_requests(step, rows)
@@ -218,8 +223,11 @@ class RLTrainer(BaseTrainer):
         metrics = {"timing/rollout": time.perf_counter() - t0, **self.rollout_metrics(samples)}
         metrics |= self._stage_metrics
         self._stage_metrics = {}
-
         metrics |= self.reward.score(samples)
+        return samples, metrics
+
+    def learn(self, step: int, samples: list[Sample], metrics: dict[str, Any], t_step: float) -> dict[str, Any]:
+        """advantages -> train -> weight sync -> timings, sample logging and evaluation."""
         metrics |= self.algorithm.compute_advantages(samples)
 
         t0 = time.perf_counter()
@@ -229,6 +237,7 @@ class RLTrainer(BaseTrainer):
         if self.engine is not None and self.sync.due(step):
             metrics |= self.sync.push(self.group, self.engine, self.policy_version)
             metrics["timing/weight_sync"] = metrics["weight_sync/seconds"]
+            self.published(self.policy_version)
 
         metrics["timing/step"] = time.perf_counter() - t_step
         metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
@@ -237,6 +246,9 @@ class RLTrainer(BaseTrainer):
         if self.eval_source is not None and (step % self.run_cfg.eval_every == 0 or step == self.run_cfg.num_steps):
             metrics |= self.evaluate(step)
         return metrics
+
+    def published(self, version: int) -> None:
+        """Called after every replica of the engine serves ``version`` (verified)."""
 
     def make_requests(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each prompt ``group_size`` times, with a per-sample seed fixed by (seed, step, index)."""
@@ -273,13 +285,15 @@ class RLTrainer(BaseTrainer):
                                "colocate/train_bytes_resident": float(sum(r["resident_bytes"] for r in offloaded))}
         try:
             self._stage_metrics["timing/engine_wake"] = self.engine.wake()["seconds"]
+            t1 = time.perf_counter()
             samples = self.engine.generate(requests)
+            self._stage_metrics["timing/engine_generate"] = time.perf_counter() - t1
             asleep = self.engine.sleep()
             self._stage_metrics |= {"timing/engine_sleep": asleep["seconds"], "colocate/engine_bytes_freed": asleep["bytes"]}
         finally:
             self.group.call("onload", {})
         self._stage_metrics["timing/offload_onload"] = time.perf_counter() - t0 - sum(
-            self._stage_metrics.get(k, 0.0) for k in ("timing/engine_wake", "timing/engine_sleep"))
+            self._stage_metrics.get(k, 0.0) for k in ("timing/engine_wake", "timing/engine_generate", "timing/engine_sleep"))
         return samples
 
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:

@@ -6,6 +6,16 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from unirl_ray.rollout.weight_sync import StaleWeightsError
+
+
+def check_version(replica: int, version: int, expected: int, at_least: bool) -> None:
+    """Refuse to generate with weights other than ``expected`` (``at_least``: older than ``expected``)."""
+    if version == expected or (at_least and version > expected):
+        return
+    wanted = f"v{expected} or newer" if at_least else f"v{expected}"
+    raise StaleWeightsError(f"replica {replica} serves weights v{version}, the controller expects {wanted}")
+
 
 class VersionedEngine(abc.ABC):
     """Mixin for engine deployments; subclasses set ``store``, ``version``, ``checksum``, ``replica``

@@ -21,8 +21,8 @@ import torch
 from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.trainside import group_kwargs, samples_from_outputs
-from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
-from unirl_ray.rollout.engines.base import VersionedEngine
+from unirl_ray.rollout.weight_sync import state_checksum
+from unirl_ray.rollout.engines.base import VersionedEngine, check_version
 from unirl_ray.train.backend.offload import StorageOffloader
 
 log = logging.getLogger(__name__)
@@ -90,20 +90,20 @@ class HFRolloutEngine(VersionedEngine):
         return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
     # ------------------------------------------------------------ generation
-    def _generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
+    def _generate(self, requests: list[dict[str, Any]], expected_version: int, at_least: bool = False) -> list[Sample]:
         self._check_awake()
         self._catch_up(expected_version)
-        if self.version != expected_version:
-            raise StaleWeightsError(
-                f"replica {self.replica} serves weights v{self.version}, the controller expects v{expected_version}"
-            )
         with self.lock, torch.no_grad():
+            version = self.version  # read under the lock: a weight load waits for this call (never mixed)
+            check_version(self.replica, version, expected_version, at_least)
             outputs = self.pipeline.sample(
                 [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module,
                 **group_kwargs(self.pipeline, requests),
             )
-        return samples_from_outputs(requests, outputs, self.version)
+        return samples_from_outputs(requests, outputs, version)
 
-    async def generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
-        """Generate on a worker thread so the replica's event loop stays responsive."""
-        return await asyncio.to_thread(self._generate, requests, expected_version)
+    async def generate(self, requests: list[dict[str, Any]], expected_version: int, at_least: bool = False) -> list[Sample]:
+        """Generate with weights ``expected_version`` (``at_least``: that version or a newer one; async
+        trainers) on a worker thread so the replica's event loop stays responsive. Every sample is
+        tagged with the version that generated it."""
+        return await asyncio.to_thread(self._generate, requests, expected_version, at_least)

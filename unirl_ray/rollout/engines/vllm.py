@@ -53,8 +53,8 @@ import torch
 
 from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample, TextPart
-from unirl_ray.rollout.weight_sync import StaleWeightsError, state_checksum
-from unirl_ray.rollout.engines.base import VersionedEngine
+from unirl_ray.rollout.weight_sync import state_checksum
+from unirl_ray.rollout.engines.base import VersionedEngine, check_version
 
 log = logging.getLogger(__name__)
 
@@ -347,13 +347,11 @@ class VLLMRolloutEngine(VersionedEngine):
             detokenize=False,
         )
 
-    def _generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
+    def _generate(self, requests: list[dict[str, Any]], expected_version: int, at_least: bool = False) -> list[Sample]:
+        # runs on the engine thread, like every weight load: the version cannot change during the call
         self._check_awake()
         self._catch_up(expected_version)
-        if self.version != expected_version:
-            raise StaleWeightsError(
-                f"replica {self.replica} serves weights v{self.version}, the controller expects v{expected_version}"
-            )
+        check_version(self.replica, self.version, expected_version, at_least)
         if not requests:
             return []
         prompt_ids = self.pipeline.encode_prompts([r["prompt"] for r in requests])
@@ -415,10 +413,11 @@ class VLLMRolloutEngine(VersionedEngine):
     def _sleep_enabled(self) -> bool:
         return bool(getattr(self.llm.model_config, "enable_sleep_mode", False))
 
-    async def generate(self, requests: list[dict[str, Any]], expected_version: int) -> list[Sample]:
-        """Generate on the engine thread so the replica's event loop stays responsive."""
+    async def generate(self, requests: list[dict[str, Any]], expected_version: int, at_least: bool = False) -> list[Sample]:
+        """Generate on the engine thread so the replica's event loop stays responsive (``at_least``: with
+        ``expected_version`` or a newer one; every sample is tagged with the version that generated it)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._generate, requests, expected_version)
+        return await loop.run_in_executor(self._executor, self._generate, requests, expected_version, at_least)
 
     def __del__(self) -> None:  # Serve calls it when a replica shuts down gracefully
         cleanup = getattr(self, "_cleanup", None)

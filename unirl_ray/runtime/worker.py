@@ -108,7 +108,7 @@ def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeou
     if op == "sft_eval":
         return worker.sft_eval()
     if op == "ping":
-        return {"policy_version": worker.policy_version, "niceness": os.nice(0)}
+        return {"policy_version": worker.policy_version, "niceness": os.nice(0), "pid": os.getpid()}
     raise ValueError(f"unknown worker command {op!r}")
 
 

@@ -103,7 +103,7 @@ class AsyncRLTrainer(RLTrainer):
         self._start_stream(start)
         return start
 
-    def _start_stream(self, start: int) -> None:
+    def _start_stream(self, start: int, trained_ids: dict[int, set[str]] | None = None) -> None:
         from unirl_ray.rollout.async_stream import RolloutStream
         from unirl_ray.runtime.train_group import NAMESPACE
 
@@ -115,7 +115,8 @@ class AsyncRLTrainer(RLTrainer):
             self._requests_rows[step] = [row["prompt"] for row in rows]
             requests[step] = self.make_requests(step, rows)
             self._data_states[step] = self.data.state_dict()
-        self._trained_ids: set[str] = set()
+        self._trained_ids: dict[int, set[str]] = dict(trained_ids or {})  # per step: rewound on a restart
+        self._seen_ids: set[str] = set().union(*self._trained_ids.values()) if self._trained_ids else set()
         self._last_step = start
         self._totals = {"trained": 0}
         self._last_step_end = time.time()
@@ -140,7 +141,18 @@ class AsyncRLTrainer(RLTrainer):
         return {**super().controller_state(), "data": self._data_states[self._last_step]}
 
     def published(self, version: int) -> None:
-        self.stream.publish(version)
+        if self.stream is not None:
+            self.stream.publish(version)
+
+    def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
+        """A worker-group restart rewinds training to a checkpoint: drop the stream (its batches were made
+        for steps that run again), republish the checkpoint's weights, stream again from its data cursor."""
+        left = self.stream.close("the train worker group restarted")
+        log.warning("async rollout: discarding %d cached samples after the worker-group restart", left["samples"])
+        self.stream = None
+        self._trained_ids = {k: v for k, v in self._trained_ids.items() if k <= restored_step}
+        super().after_restart(announced, restored_step)
+        self._start_stream(restored_step, trained_ids=self._trained_ids)
 
     # ------------------------------------------------------------- one step
     def collect(self, step: int) -> tuple[list[Sample], dict[str, Any]]:
@@ -176,10 +188,11 @@ class AsyncRLTrainer(RLTrainer):
             raise StalenessError(f"step {step} (weights v{current}) got samples outside max_staleness="
                                  f"{self.async_cfg.max_staleness}: {bad[:5]}")
         ids = [s.sample_id for s in samples]
-        twice = sorted(set(ids) & self._trained_ids) + sorted({i for i in ids if ids.count(i) > 1})
+        twice = sorted(set(ids) & self._seen_ids) + sorted({i for i in ids if ids.count(i) > 1})
         if twice:
             raise StalenessError(f"step {step}: samples {twice[:5]} were already trained on")
-        self._trained_ids.update(ids)
+        self._trained_ids[step] = set(ids)
+        self._seen_ids.update(ids)
         return staleness
 
     def run_step(self, step: int) -> dict[str, Any]:

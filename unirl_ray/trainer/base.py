@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from unirl_ray.config.recipe import RecipeError, flatten, instantiate, to_yaml, validate_targets
 from unirl_ray.runtime.cluster import RayConfig, check_cluster_fits, ensure_ray
-from unirl_ray.runtime.train_group import TrainGroup
+from unirl_ray.runtime.train_group import TrainGroup, WorkerGroupRestarted
 from unirl_ray.tracking import MLflowTracker, TrackingConfig
 
 log = logging.getLogger(__name__)
@@ -168,21 +168,51 @@ class BaseTrainer(ABC):
                         "remaining steps will not match an uninterrupted run", self.run_cfg.seed, state["seed"])
         self.start_tracking(state.get("mlflow_run_id"), resumed=start_step > 0)
         self.restore(state)
+        self._start_state = self.controller_state()  # what a restart before the first checkpoint rewinds to
         if start_step:
             console(f"resuming {self.run_cfg.run_name} after step {start_step}")
         return start_step
 
     def run_steps(self, start_step: int) -> dict[str, Any]:
-        """Steps ``start_step + 1 .. num_steps``: the domain's ``run_step``, then log, save, report."""
+        """Steps ``start_step + 1 .. num_steps``: the domain's ``run_step``, then log, save, report.
+
+        If Ray Train restarts the worker group during a step (a worker died; ``ray.max_failures``
+        allows it), the restarted workers load the last committed checkpoint and the controller
+        rewinds to it (``recover``): the steps after it run again, in the same MLflow run.
+        """
         cfg = self.run_cfg
         metrics: dict[str, Any] = {}
-        for step in range(start_step + 1, cfg.num_steps + 1):
-            metrics = self.run_step(step)
-            self.tracker.log_metrics(metrics, step=step)
-            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
-                self.save_checkpoint(step)
+        step = start_step + 1
+        while step <= cfg.num_steps:
+            try:
+                metrics = self.run_step(step)
+                self.tracker.log_metrics(metrics, step=step)
+                if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
+                    self.save_checkpoint(step)
+            except WorkerGroupRestarted as exc:
+                step = self.recover(step, exc) + 1
+                continue
             console(progress_line(step, cfg.num_steps, metrics))
+            step += 1
         return metrics
+
+    def recover(self, step: int, cause: BaseException) -> int:
+        """The worker group restarted during ``step``: wait for the new workers (restored from the last
+        committed checkpoint), rewind the controller to that checkpoint; returns its step."""
+        self.restarts = getattr(self, "restarts", 0) + 1
+        console(f"step {step}: the train worker group restarted ({cause}); resuming from its last checkpoint "
+                f"(restart {self.restarts} of at most ray.max_failures={self.ray_cfg.max_failures})")
+        announced = self.group.wait_announced(self.ray_cfg.start_timeout_s)
+        restored = int(announced.get("restored_step", 0))
+        state = announced.get("controller") or self._start_state
+        self.restore(state)
+        self.after_restart(announced, restored)
+        self.tracker.log_metrics({"fault/worker_group_restarts": float(self.restarts)}, step=restored)
+        console(f"resumed after step {restored}; steps {restored + 1}..{step} run again")
+        return restored
+
+    def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
+        """Domain state to rebuild after a worker-group restart (engines, streams, ...)."""
 
     @abstractmethod
     def run_step(self, step: int) -> dict[str, Any]:

@@ -199,6 +199,14 @@ class RLTrainer(BaseTrainer):
             if service is not None:
                 service.shutdown()
 
+    def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
+        """The restarted workers hold the checkpoint's weights: adopt its version, republish it to the engine."""
+        self.policy_version = int(announced.get("policy_version", 0))
+        self.prompt_log = [(s, p) for s, p in self.prompt_log if s <= restored_step]
+        if self.engine is not None:
+            self.sync.push(self.group, self.engine, self.policy_version)
+            self.published(self.policy_version)
+
     def restore(self, state: dict[str, Any]) -> None:
         if state.get("data"):
             self.data.load_state_dict(state["data"])

@@ -29,6 +29,7 @@ from typing import Any
 
 from unirl_ray.config.recipe import RecipeError, instantiate
 from unirl_ray.data.sft_examples import SKIP_REASONS, BuildStats
+from unirl_ray.runtime.train_group import WorkerGroupRestarted
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, console, derive_seed
 
 log = logging.getLogger(__name__)
@@ -157,16 +158,26 @@ class SFTTrainer(BaseTrainer):
             self.tracker.log_metrics(self.evaluate(), step=0)
         step, metrics = start_step, {}
         while step < cfg.num_steps:
-            count = self._steps_in_call(step)
-            for metrics in self.train_steps(step + 1, count):
-                step += 1
-                if self._eval_due(step):  # calls end at eval steps: the weights are this step's
-                    metrics |= self.evaluate()
-                self.tracker.log_metrics(metrics, step=step)
-                console(sft_progress_line(step, cfg.num_steps, metrics, self.totals))
-            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
-                self.save_checkpoint(step)
+            try:
+                count = self._steps_in_call(step)
+                for metrics in self.train_steps(step + 1, count):
+                    step += 1
+                    if self._eval_due(step):  # calls end at eval steps: the weights are this step's
+                        metrics |= self.evaluate()
+                    self.tracker.log_metrics(metrics, step=step)
+                    console(sft_progress_line(step, cfg.num_steps, metrics, self.totals))
+                if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
+                    self.save_checkpoint(step)
+            except WorkerGroupRestarted as exc:  # a rank died: rewind to the restarted group's checkpoint
+                step = self.recover(step + 1, exc)
         return metrics
+
+    def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
+        """The restarted ranks restart their feeds at the checkpoint's data cursor."""
+        state = announced.get("controller") or self._start_state
+        self.cursor = self._resume_cursor(state.get("data"))
+        payload = {"source": self.data, "records_per_rank": self.records_per_rank, "cursor": self.cursor}
+        self.group.call("sft_start", payload, timeout_s=self.ray_cfg.start_timeout_s)
 
     def run_step(self, step: int) -> dict[str, Any]:
         """Step ``step`` alone (one command), with its evaluation when one is due."""

@@ -138,7 +138,10 @@ class AsyncRLTrainer(RLTrainer):
 
     def controller_state(self) -> dict[str, Any]:
         # the data cursor after the last *trained* step: batches still in the stream are drawn again on resume
-        return {**super().controller_state(), "data": self._data_states[self._last_step]}
+        state = super().controller_state()
+        if getattr(self, "_data_states", None):  # before the stream starts the cursor is the data source's own
+            state["data"] = self._data_states[self._last_step]
+        return state
 
     def published(self, version: int) -> None:
         if self.stream is not None:

@@ -106,7 +106,7 @@ def test_dead_server_falls_back_to_jsonl_with_one_warning(tmp_path, monkeypatch,
     assert tracker.degraded
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "127.0.0.1:1" in warnings[0].getMessage()
-    lines = (tmp_path / "dead" / "metrics_fallback.jsonl").read_text().splitlines()
+    lines = (tmp_path / "dead" / "mlflow_fallback.jsonl").read_text().splitlines()
     metrics = [json.loads(line) for line in lines if '"metrics"' in line]
     assert [(m["step"], m["metrics"]) for m in metrics] == [
         (0, {"reward/mean": 0.5}),

@@ -10,7 +10,12 @@ Reserved keys of a target node: ``_target_`` (the import path), ``_partial_: tru
 as plain dicts, for a component that builds its children itself, e.g. on a remote replica).
 
 Targets are only ever imported with ``importlib`` from their module path, never evaluated; a shared
-cluster can restrict them to an allow-list of module prefixes (``allowed_target_prefixes``).
+cluster can restrict them to an allow-list of module prefixes (``allowed_target_prefixes``, or the
+environment variable ``UNIRL_ALLOWED_TARGET_PREFIXES=unirl_ray.,my_pkg.`` read by the trainers). The
+allow-list also holds for the import paths a recipe names under an ``fn`` key (reward functions).
+
+``validate_targets`` also checks scalar types against each target's annotations (an ``int`` field
+given ``"abc"`` or ``1.5`` is refused with the key named), so wrong types fail before anything runs.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import inspect
 import json
 import logging
 import pkgutil
+import os
 import re
+import types
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -39,6 +47,10 @@ RESERVED_KEYS = frozenset({TARGET_KEY, "_partial_", "_recursive_"})
 """Keys of a target node that are not constructor arguments."""
 MAX_PARAM_CHARS = 500
 """``flatten`` truncates each value to this many characters (MLflow params)."""
+ALLOWED_PREFIXES_ENV = "UNIRL_ALLOWED_TARGET_PREFIXES"
+"""Environment variable with a comma-separated allow-list of import prefixes (``unirl_ray.,my_pkg.``)."""
+IMPORT_PATH_KEYS = frozenset({"fn"})
+"""Keys whose string value is an import path that gets imported (a reward's ``fn``): allow-listed too."""
 
 _OVERRIDE_KEY = re.compile(r"^(\+{0,2})([A-Za-z_][\w\-]*(?:\.[\w\-]+)*)$")
 _ENV_MISSING = re.compile(r"Environment variable '([^']+)' not found")
@@ -267,17 +279,41 @@ def _where(path: str) -> str:
     return f"`{path}`" if path else "the recipe root"
 
 
-def _check_allowed(target: str, path: str, allowed: Sequence[str] | None) -> None:
+def allowed_prefixes_from_env() -> list[str] | None:
+    """The allow-list in ``$UNIRL_ALLOWED_TARGET_PREFIXES`` (comma-separated); None when unset or empty."""
+    raw = os.environ.get(ALLOWED_PREFIXES_ENV, "")
+    prefixes = [p.strip() for p in raw.split(",") if p.strip()]
+    return prefixes or None
+
+
+def _check_allowed(
+    target: str, path: str, allowed: Sequence[str] | None, what: str = "_target_"
+) -> None:
     if allowed is None:
         return
+    dotted = target.replace(":", ".")
     for prefix in allowed:
         stem = prefix.rstrip(".")
-        if target == stem or target.startswith(stem + "."):
+        if dotted == stem or dotted.startswith(stem + "."):
             return
     raise RecipeError(
-        f"{_where(path)}: _target_ {target!r} is outside the allowed prefixes {list(allowed)};"
-        " use a target from one of them or ask the cluster admin to allow it"
+        f"{_where(path)}: {what} {target!r} is outside the allowed prefixes {list(allowed)};"
+        f" use one from them, or ask the cluster admin to extend {ALLOWED_PREFIXES_ENV}"
+        " (or the trainer's allowed_target_prefixes)"
     )
+
+
+def _import_path_values(plain: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """Yield ``(dotted_path, import_path)`` for string values under an ``IMPORT_PATH_KEYS`` key."""
+    if isinstance(plain, dict):
+        for key, value in plain.items():
+            if key in IMPORT_PATH_KEYS and isinstance(value, str):
+                yield _join(path, key), value
+            else:
+                yield from _import_path_values(value, _join(path, key))
+    elif isinstance(plain, list):
+        for index, value in enumerate(plain):
+            yield from _import_path_values(value, _join(path, index))
 
 
 def locate(target: str, path: str = "") -> Any:
@@ -367,6 +403,82 @@ def _check_signature(
             )
 
 
+_SCALARS: dict[type, str] = {
+    bool: "a boolean (true/false)",
+    int: "an int (a whole number)",
+    float: "a number",
+    str: "a string (quote it in YAML)",
+}
+
+
+def _type_hints(fn: Any) -> dict[str, Any]:
+    """Resolved annotations of ``fn``'s parameters (a class: its dataclass fields or ``__init__``)."""
+    try:
+        if inspect.isclass(fn):
+            hints = typing.get_type_hints(fn) if hasattr(fn, "__dataclass_fields__") else {}
+            return hints or typing.get_type_hints(fn.__init__)
+        return typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: the component checks its own values
+        return {}
+
+
+def _allowed_kinds(annotation: Any) -> tuple[list[Any], list[Any]] | None:
+    """``(scalar types, literal choices)`` an annotation allows; None if it is not that simple."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return [], list(typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        scalars: list[Any] = []
+        choices: list[Any] = []
+        for arm in typing.get_args(annotation):
+            if arm is type(None):
+                continue
+            inner = _allowed_kinds(arm)
+            if inner is None:
+                return None
+            scalars += inner[0]
+            choices += inner[1]
+        return scalars, choices
+    if annotation in _SCALARS:
+        return [annotation], []
+    return None
+
+
+def _value_fits(value: Any, scalars: list[Any], choices: list[Any]) -> bool:
+    if any(value == c and type(value) is type(c) for c in choices):
+        return True
+    for kind in scalars:
+        if kind is bool and isinstance(value, bool):
+            return True
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if kind is str and isinstance(value, str):
+            return True
+    return False
+
+
+def _check_types(fn: Any, node: Mapping[str, Any], path: str) -> None:
+    """Scalar recipe values must match the target's ``bool``/``int``/``float``/``str``/``Literal``
+    annotations (``None`` and nested targets are left to the component)."""
+    hints = _type_hints(fn)
+    for key, value in node.items():
+        if key in RESERVED_KEYS or key not in hints or value is None:
+            continue
+        if isinstance(value, dict) and TARGET_KEY in value:
+            continue
+        allowed = _allowed_kinds(hints[key])
+        if allowed is None or _value_fits(value, *allowed):
+            continue
+        scalars, choices = allowed
+        wanted = [_SCALARS[k] for k in scalars] + ([f"one of {choices}"] if choices else [])
+        raise RecipeError(
+            f"`{_join(path, key)}` must be {' or '.join(wanted)}, got {value!r}"
+            f" ({type(value).__name__}); fix it in the recipe or override it: {_join(path, key)}=..."
+        )
+
+
 def _target_nodes(plain: Any, path: str = "") -> Iterator[tuple[str, dict]]:
     """Yield ``(dotted_path, node)`` for every target node, outer before inner."""
     if isinstance(plain, dict):
@@ -394,7 +506,8 @@ def validate_targets(
     extra_kwargs: Mapping[str, set[str]] | None = None,
     allowed_target_prefixes: Sequence[str] | None = None,
 ) -> None:
-    """Check every ``_target_``: allowed, importable, and its node's keys match its signature.
+    """Check every ``_target_``: allowed, importable, its node's keys match its signature and its
+    scalar values the annotated types; import paths under ``fn`` keys must be allowed too.
 
     ``extra_kwargs`` maps a section's dotted path (e.g. ``"algorithm"``) to the argument names the
     trainer injects when it builds that section (e.g. ``{"pipeline"}``); for such sections missing
@@ -402,7 +515,10 @@ def validate_targets(
     Sections not listed only get ``bind_partial`` checks (missing arguments are not reported).
     """
     extra = dict(extra_kwargs or {})
-    for path, node in _target_nodes(_to_plain(cfg)):
+    plain = _to_plain(cfg)
+    for path, value in _import_path_values(plain):
+        _check_allowed(value, path, allowed_target_prefixes, what="import path")
+    for path, node in _target_nodes(plain):
         target = node[TARGET_KEY]
         if not isinstance(target, str):
             raise RecipeError(
@@ -411,6 +527,7 @@ def validate_targets(
         _check_allowed(target, path, allowed_target_prefixes)
         fn = locate(target, path)
         _check_signature(fn, node, path, set(extra[path]) if path in extra else None)
+        _check_types(fn, node, path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Prompt sources: read prompts with Ray Data once, then serve deterministic epochs from the driver.
 
-A ``PromptSource`` reads its files when first used: .txt and .json/.jsonl with Ray Data (read tasks
+At construction a ``PromptSource`` checks its files on the driver (an empty file, a .jsonl line that
+is not a JSON object or lacks the prompt column: ``ValueError`` naming the file and line), so bad data
+fails before any worker starts. It reads its files when first used: .txt and .json/.jsonl with Ray Data (read tasks
 ask for 0.25 CPU so they schedule next to Train workers on small machines; on a multi-node cluster
 paths go through ``local://`` so they are read on the driver's node, no shared storage needed),
 .parquet with pyarrow on the driver (Ray 2.60's ``read_parquet`` needs a free whole CPU, see
@@ -49,6 +51,44 @@ def _list_files(path: str) -> list[str]:
 def _did_you_mean(name: str, options: list[str]) -> str:
     close = difflib.get_close_matches(name, options, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_text_file(path: str) -> None:
+    """A .txt prompt file must hold at least one non-blank line; ValueError naming the file otherwise."""
+    with open(path, encoding="utf-8") as f:
+        if any(line.strip() for line in f):
+            return
+    raise ValueError(f"prompt file {path} is empty (no non-blank lines); write one prompt per line "
+                     "or point data.path at another file")
+
+
+def check_jsonl_file(path: str, prompt_column: str) -> int:
+    """Every non-blank line of a .jsonl file must be a JSON object holding ``prompt_column``.
+
+    Returns the number of rows. The first bad line raises ValueError naming the file, the line
+    number and what to fix (Ray Data would otherwise fail later, inside a read task, without them).
+    """
+    rows = 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where} is not valid JSON ({exc.msg}): {line.strip()[:80]!r}; each line of a "
+                                 ".jsonl prompt file must be one JSON object: fix or delete that line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object like "
+                                 f"{{{prompt_column!r}: ...}}: fix or delete that line")
+            if prompt_column not in row:
+                raise ValueError(f"{where} has no {prompt_column!r} key (keys: {sorted(row)}){_did_you_mean(prompt_column, list(row))}; "
+                                 "add the prompt to that line, delete it, or set data.prompt_column")
+            rows += 1
+    if not rows:
+        raise ValueError(f"prompt file {path} is empty (no JSON lines); add prompts or point data.path at another file")
+    return rows
 
 
 @dataclass(kw_only=True)
@@ -102,11 +142,17 @@ class PromptSource:
         return files
 
     def _check_columns(self) -> None:
-        """Cheap checks on the driver: first JSON line / parquet schema hold the requested columns."""
+        """Checks on the driver before anything starts: no empty file, every .jsonl line a JSON object
+        with the prompt column, the first row / parquet schema holding the requested columns."""
         if self._kind == "text":
             if self.columns:
                 raise ValueError(f"a .txt prompt file has no columns; drop columns={self.columns}")
+            for path in self._files:
+                check_text_file(path)
             return
+        if self._kind == "jsonl":
+            for path in self._files:
+                check_jsonl_file(path, self.prompt_column)
         available = self._peek_columns(self._files[0])
         if available is None:
             return
@@ -124,7 +170,7 @@ class PromptSource:
         with open(path, encoding="utf-8") as f:
             head = f.read(1 << 16).lstrip()
         if not head:
-            raise ValueError(f"prompt file {path} is empty")
+            raise ValueError(f"prompt file {path} is empty; add prompts or point data.path at another file")
         if head.startswith("["):
             return None  # a JSON array: checked after reading
         line = head.splitlines()[0]

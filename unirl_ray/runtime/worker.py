@@ -41,13 +41,38 @@ def _device(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
+def read_checkpoint_state(directory: str, name: str | None = None) -> dict[str, Any]:
+    """The ``controller_state.json`` of a checkpoint folder, checked; RuntimeError naming the folder
+    and what to do when the file is missing or not the state ``_save`` writes, or the shards are gone.
+
+    ``name`` is how the folder is named in messages (its storage path; default ``directory``).
+    """
+    where = name or directory
+    fix = (f"the checkpoint {where} is damaged ({{}}). Ray Train resumes from its latest checkpoint, so this "
+           "run cannot resume as is: restore the folder from a backup, or start over with a new "
+           "trainer.run_name (or after deleting the run folder)")
+    path = os.path.join(directory, STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise RuntimeError(fix.format(f"{STATE_FILE} is missing")) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RuntimeError(fix.format(f"{STATE_FILE} is unreadable: {type(exc).__name__}: {exc}")) from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(state.get("backend"), dict):
+        raise RuntimeError(fix.format(f"{STATE_FILE} lacks a 'step' >= 0 and a 'backend' entry"))
+    if not os.path.isdir(os.path.join(directory, SHARDS_DIR)):
+        raise RuntimeError(fix.format(f"its {SHARDS_DIR}/ folder is missing"))
+    return state
+
+
 def _restore(worker: StackWorker) -> tuple[int, dict[str, Any] | None]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0, None
     with checkpoint.as_directory() as directory:
-        with open(os.path.join(directory, STATE_FILE)) as f:
-            state = json.load(f)
+        state = read_checkpoint_state(directory, name=checkpoint.path)
         worker.load(os.path.join(directory, SHARDS_DIR), state["backend"])
     return int(state["step"]), state
 

@@ -3,10 +3,15 @@
 Without a tracking URI (config or ``MLFLOW_TRACKING_URI``) the store is a local SQLite DB in the run
 folder, with artifacts beside it, so ``mlflow ui`` shows it (``MLflowTracker.ui_command``).
 
-Tracking must never stop training: the first failure of the backend (server down, bad store, any
-exception) logs one warning; from then on metrics are appended as JSON lines to
-``<run_root>/<run_name>/metrics_fallback.jsonl`` and artifacts are written under
-``<run_root>/<run_name>/fallback_artifacts/``. No ``log_*`` call raises.
+Tracking must never stop training. A failure of the backend (server down, bad store, any
+exception) logs one warning per outage; from then on params and metrics are appended as JSON lines
+to ``<run_root>/<run_name>/mlflow_fallback.jsonl`` (and kept in memory, up to ``MAX_PENDING``
+records), artifacts are written under ``<run_root>/<run_name>/fallback_artifacts/``. Every
+``TrackingConfig.retry_interval_s`` the tracker tries MLflow again; when it answers, the buffered
+params and metrics are sent to the run (artifacts written meanwhile stay local) and logging goes
+to MLflow again. No ``log_*`` call raises. For an HTTP store, MLflow's own retries and timeouts are
+made short (``HTTP_ENV_DEFAULTS``, only where the environment does not set them), so one call to a
+dead server returns within seconds instead of MLflow's minutes of back-off.
 
 All calls go through an ``MlflowClient`` with the explicit run id (no global active run), under a
 lock, so the tracker can be used from several driver threads.
@@ -22,6 +27,7 @@ import re
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +42,16 @@ _METRICS_PER_BATCH = 1000
 _MAX_KEY_CHARS = 250
 _MAX_PARAM_VALUE_CHARS = 6000
 _BAD_KEY_CHARS = re.compile(r"[^\w\-. /:]")
+FALLBACK_FILE = "mlflow_fallback.jsonl"
+"""Name of the JSON-lines file (in ``<run_root>/<run_name>/``) params and metrics go to while MLflow is down."""
+MAX_PENDING = 100_000
+"""Params/metrics records kept in memory for MLflow while it is down (older ones stay in the file only)."""
+HTTP_ENV_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+}
+"""MLflow HTTP settings applied by ``start`` unless already set: a dead server costs seconds, not minutes."""
 
 
 @dataclass(kw_only=True)
@@ -52,8 +68,14 @@ class TrackingConfig:
     """Log sample images/text tables every this many steps (0: never)."""
     enabled: bool = True
     """False turns every call into a no-op."""
+    retry_interval_s: float = 60.0
+    """While MLflow is unreachable, try it again at most this often (seconds) and send it the buffered params and metrics; 0: stay local for the rest of the run."""
 
     def __post_init__(self) -> None:
+        if not self.retry_interval_s >= 0:
+            raise ValueError(
+                f"tracking.retry_interval_s must be >= 0 seconds (0: never retry), got {self.retry_interval_s}"
+            )
         if self.log_samples_every < 0:
             raise ValueError(
                 "tracking.log_samples_every must be >= 0 (0 disables samples),"
@@ -133,6 +155,12 @@ class MLflowTracker:
         self._ended = False
         self._logged_params: dict[str, str] = {}
         self._lock = threading.RLock()
+        self._open_args: tuple[Path, str, str | None, dict[str, Any]] | None = None
+        self._pending: deque[dict[str, Any]] = deque(maxlen=MAX_PENDING)
+        self._dropped = 0
+        self._next_retry = 0.0
+        self._fallback_warned = False
+        self._opened = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,14 +175,20 @@ class MLflowTracker:
         if not self.config.enabled:
             return ""
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        for key, value in HTTP_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         root = Path(run_root).resolve()
         root.mkdir(parents=True, exist_ok=True)
         self._local_dir = root / run_name
         self._tracking_uri = resolve_tracking_uri(self.config, root)
         self._degraded = self._ended = False
+        self._open_args = (root, run_name, run_id, dict(tags or {}))
+        self._pending.clear()
         with self._lock:
+            self._opened = False
             try:
                 self._run_id = self._open_run(root, run_name, run_id, tags or {})
+                self._opened = True
             except Exception as exc:  # noqa: BLE001 - tracking must not stop training
                 self._run_id = run_id
                 self._degrade("start", exc)
@@ -224,8 +258,11 @@ class MLflowTracker:
         def call() -> None:
             self._client.set_terminated(self._run_id, status=status)
 
-        self._guarded("end", call, lambda: self._append_jsonl({"end": status, "time": time.time()}))
-        self._ended = True
+        with self._lock:
+            if self._degraded and self.config.retry_interval_s > 0:
+                self._next_retry = 0.0  # one last try to deliver the buffered records
+            self._guarded("end", call, lambda: self._append_jsonl({"end": status, "time": time.time()}))
+            self._ended = True
 
     # ------------------------------------------------------------------ properties
 
@@ -254,8 +291,13 @@ class MLflowTracker:
 
     @property
     def fallback_metrics_path(self) -> Path | None:
-        """``<run_root>/<run_name>/metrics_fallback.jsonl`` (None before ``start``)."""
-        return self._local_dir / "metrics_fallback.jsonl" if self._local_dir else None
+        """``<run_root>/<run_name>/mlflow_fallback.jsonl`` (None before ``start``)."""
+        return self._local_dir / FALLBACK_FILE if self._local_dir else None
+
+    @property
+    def pending(self) -> int:
+        """Params/metrics records waiting for MLflow to come back."""
+        return len(self._pending)
 
     def should_log_samples(self, step: int) -> bool:
         """Whether ``step`` is a sample-logging step (every ``log_samples_every`` steps)."""
@@ -286,7 +328,8 @@ class MLflowTracker:
                 self._logged_params.update((p.key, p.value) for p in batch)
 
         if fresh:
-            self._guarded("log_params", call, lambda: self._append_jsonl({"params": fresh}))
+            record = {"params": fresh}
+            self._guarded("log_params", call, lambda: self._append_jsonl(record), pending=record)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log finite scalar metrics at ``step`` (non-finite or non-numeric ones are skipped)."""
@@ -315,7 +358,7 @@ class MLflowTracker:
                 )
 
         record = {"step": int(step), "time": timestamp / 1000, "metrics": clean}
-        self._guarded("log_metrics", call, lambda: self._append_jsonl(record))
+        self._guarded("log_metrics", call, lambda: self._append_jsonl(record), pending=record)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store ``text`` as the artifact ``artifact_file`` (e.g. ``recipe.yaml``)."""
@@ -398,36 +441,105 @@ class MLflowTracker:
 
     # ------------------------------------------------------------------ resilience
 
-    def _guarded(self, what: str, call: Callable[[], None], fallback: Callable[[], None]) -> None:
-        """Run ``call`` against MLflow; on any failure degrade once and use ``fallback``."""
+    def _guarded(
+        self,
+        what: str,
+        call: Callable[[], None],
+        fallback: Callable[[], None],
+        pending: dict[str, Any] | None = None,
+    ) -> None:
+        """Run ``call`` against MLflow; on any failure degrade and use ``fallback`` (and buffer
+        ``pending``, a params/metrics record, for when MLflow comes back)."""
         if not self.config.enabled or self._ended:
             return
         if self._local_dir is None:
             logger.warning("MLflowTracker.%s called before start(); ignored", what)
             return
         with self._lock:
+            if self._degraded:
+                self._maybe_reconnect()
             if not self._degraded and self._run_id is not None:
                 try:
                     call()
                     return
                 except Exception as exc:  # noqa: BLE001 - tracking must not stop training
                     self._degrade(what, exc)
+            if pending is not None:
+                self._dropped += len(self._pending) == self._pending.maxlen
+                self._pending.append(pending)
             try:
                 fallback()
             except Exception as exc:  # noqa: BLE001
-                logger.debug("fallback for %s failed: %s", what, exc)
+                if not self._fallback_warned:
+                    logger.warning("cannot write the local tracking fallback (%s): %s", what, exc)
+                self._fallback_warned = True
 
     def _degrade(self, what: str, exc: BaseException) -> None:
         if not self._degraded:
+            retry = self.config.retry_interval_s
             logger.warning(
-                "MLflow tracking at %s failed in %s (%s: %s); training continues, metrics go to %s",
+                "MLflow tracking at %s failed in %s (%s: %s); training continues, params and metrics"
+                " go to %s%s",
                 self._tracking_uri,
                 what,
                 type(exc).__name__,
                 str(exc)[:300],
                 self.fallback_metrics_path,
+                f" and are sent to MLflow when it answers again (retried every {retry:g}s)" if retry else "",
             )
+            self._next_retry = time.monotonic() + retry
         self._degraded = True
+
+    def _maybe_reconnect(self) -> None:
+        """Every ``retry_interval_s``: reopen the run if needed, flush the buffer, leave degraded mode."""
+        interval = self.config.retry_interval_s
+        if interval <= 0 or self._open_args is None or time.monotonic() < self._next_retry:
+            return
+        self._next_retry = time.monotonic() + interval
+        try:
+            if not self._opened:
+                self._run_id = self._open_run(*self._open_args)
+                self._opened = True
+            else:
+                self._client.get_run(self._run_id)  # a cheap probe
+            sent = self._flush_pending()
+        except Exception as exc:  # noqa: BLE001 - still down: stay local until the next retry
+            logger.debug("MLflow at %s still unavailable: %s", self._tracking_uri, exc)
+            return
+        self._degraded = False
+        lost = f"; {self._dropped} older records are only in {self.fallback_metrics_path}" if self._dropped else ""
+        logger.warning(
+            "MLflow tracking at %s is back: sent %d buffered records to run %s (artifacts logged meanwhile"
+            " stay in %s)%s",
+            self._tracking_uri,
+            sent,
+            self._run_id,
+            self._local_dir / "fallback_artifacts" if self._local_dir else None,
+            lost,
+        )
+        self._dropped = 0
+
+    def _flush_pending(self) -> int:
+        """Send the buffered params/metrics records in order; each is removed once MLflow took it."""
+        from mlflow.entities import Metric, Param
+
+        sent = 0
+        while self._pending:
+            record = self._pending[0]
+            if "params" in record:
+                fresh = [(k, v) for k, v in record["params"].items() if k not in self._logged_params]
+                for start in range(0, len(fresh), _PARAMS_PER_BATCH):
+                    batch = [Param(k, v) for k, v in fresh[start : start + _PARAMS_PER_BATCH]]
+                    self._client.log_batch(self._run_id, params=batch)
+                    self._logged_params.update((p.key, p.value) for p in batch)
+            else:
+                stamp, step = int(record["time"] * 1000), int(record["step"])
+                items = [Metric(k, v, stamp, step) for k, v in record["metrics"].items()]
+                for start in range(0, len(items), _METRICS_PER_BATCH):
+                    self._client.log_batch(self._run_id, metrics=items[start : start + _METRICS_PER_BATCH])
+            self._pending.popleft()
+            sent += 1
+        return sent
 
     def _append_jsonl(self, record: Mapping[str, Any]) -> None:
         path = self.fallback_metrics_path

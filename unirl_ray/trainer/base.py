@@ -106,6 +106,10 @@ class BaseTrainer(ABC):
         missing = [s for s in missing if s not in self.optional_sections()]
         if missing:
             raise RecipeError(f"recipe lacks the sections {missing} (a {self.domain} recipe needs {sorted(expected)})")
+        if allowed_target_prefixes is None:  # a shared cluster sets $UNIRL_ALLOWED_TARGET_PREFIXES instead
+            from unirl_ray.config.recipe import allowed_prefixes_from_env
+
+            allowed_target_prefixes = allowed_prefixes_from_env()
         validate_targets(recipe, allowed_target_prefixes=allowed_target_prefixes)
         self.run_cfg: RunConfig = self._build("trainer")
         self.ray_cfg: RayConfig = self._build("ray")

@@ -1,0 +1,181 @@
+"""Bad input, all in one place: each case fails before any worker (or Ray) starts, or at the one
+call that meets it, with a message naming what is wrong and how to fix it. In-process, no Ray."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from unirl_ray.config.recipe import RecipeError, instantiate, load_recipe
+from unirl_ray.rewards.combine import RewardError, combine, reward_metrics, score_batch, score_one
+from unirl_ray.rewards.image import brightness
+from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE, read_checkpoint_state
+from unirl_ray.train.configs import TrainTopology
+from unirl_ray.trainer.diffusion import DiffusionTrainer
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+TINY = os.path.join(ROOT, "recipes", "diffusion", "sd3", "sd3_tiny_flowgrpo.yaml")
+
+
+def build(*overrides, path=TINY):
+    return DiffusionTrainer(load_recipe(path, list(overrides)))
+
+
+# ------------------------------------------------------------------ recipe: YAML, keys, types, model
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  run_name: x\n  num_steps: [1, 2\nray: {}\n")
+    with pytest.raises(RecipeError, match=r"malformed YAML in .*bad\.yaml, line \d+"):
+        load_recipe(bad)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # unknown keys: the closest existing key is suggested
+        ("trainer.num_step=3", r"no key 'trainer.num_step'.*trainer\.num_steps"),
+        ("+algorithm.clip_rnge=0.1", r"takes no argument 'clip_rnge'.*clip_range"),
+        # wrong types: the key, the expected type and the value
+        ("trainer.num_steps=abc", r"`trainer.num_steps` must be an int .*got 'abc' \(str\)"),
+        ("algorithm.group_size=1.5", r"`algorithm.group_size` must be an int .*got 1.5 \(float\)"),
+        ("algorithm.clip_range=abc", r"`algorithm.clip_range` must be a number, got 'abc'"),
+        ("data.shuffle=maybe", r"`data.shuffle` must be a boolean"),
+        ("pipeline.height=abc", r"`pipeline.height` must be an int"),
+        # missing model folder
+        ("bundle.config.pretrained_model_ckpt_path=/nonexistent", r"'/nonexistent' does not exist"),
+        # images of a size the model cannot make
+        ("pipeline.height=30", r"pipeline.height=30 must be a positive multiple of 4"),
+        # prompt file that is not there
+        ("data.path=/nonexistent/prompts.txt", r"not found: /nonexistent/prompts.txt"),
+    ],
+)
+def test_bad_recipe_values_fail_on_the_driver(override, message):
+    import ray
+
+    with pytest.raises(RecipeError, match=message):
+        build(override)
+    assert not ray.is_initialized()
+
+
+# ------------------------------------------------------------------ prompt files
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("bad.jsonl", '{"prompt": "a cat"}\n{"prompt": "a dog"}\nnot json\n',
+         r"bad\.jsonl, line 3 is not valid JSON.*fix or delete that line"),
+        ("nokey.jsonl", '{"prompt": "a cat"}\n{"promt": "a dog"}\n',
+         r"nokey\.jsonl, line 2 has no 'prompt' key.*did you mean 'promt'"),
+        ("list.jsonl", '{"prompt": "a cat"}\n["a dog"]\n', r"list\.jsonl, line 2 is a JSON list"),
+        ("empty.jsonl", "", r"empty\.jsonl is empty"),
+        ("blank.jsonl", "\n  \n", r"blank\.jsonl is empty"),
+        ("empty.txt", "", r"empty\.txt is empty"),
+        ("blank.txt", "\n \n\t\n", r"blank\.txt is empty"),
+    ],
+)
+def test_bad_prompt_files_fail_on_the_driver(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(RecipeError, match=message):
+        build(f"data.path={path}")
+
+
+def test_bad_line_in_a_later_file_of_a_directory_is_found(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "a cat"}\n')
+    (tmp_path / "b.jsonl").write_text('{"prompt": "a dog"}\n{"prompt": "a fox"\n')
+    with pytest.raises(RecipeError, match=r"b\.jsonl, line 2 is not valid JSON"):
+        build(f"data.path={tmp_path}")
+
+
+# ------------------------------------------------------------------ checkpoint folder
+
+
+def _checkpoint(tmp_path, state):
+    folder = tmp_path / "run" / "checkpoint_000002"
+    (folder / SHARDS_DIR).mkdir(parents=True)
+    if state is not None:
+        (folder / STATE_FILE).write_text(state)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "state, shards, message",
+    [
+        (None, True, f"{STATE_FILE} is missing"),
+        ("{not json", True, f"{STATE_FILE} is unreadable: JSONDecodeError"),
+        ("\xff\xfe garbage", True, f"{STATE_FILE} is unreadable"),
+        ('["a list"]', True, "lacks a 'step' >= 0 and a 'backend' entry"),
+        ('{"step": "2", "backend": {}}', True, "lacks a 'step'"),
+        ('{"step": 2, "backend": {}, "controller": {}}', False, f"its {SHARDS_DIR}/ folder is missing"),
+    ],
+)
+def test_corrupt_checkpoint_names_the_folder_and_what_to_do(tmp_path, state, shards, message):
+    folder = _checkpoint(tmp_path, state)
+    if not shards:
+        (folder / SHARDS_DIR).rmdir()
+    with pytest.raises(RuntimeError, match=message) as info:
+        read_checkpoint_state(str(folder))
+    assert "checkpoint_000002" in str(info.value) and "new trainer.run_name" in str(info.value)
+
+
+def test_valid_checkpoint_state_is_returned(tmp_path):
+    state = {"step": 2, "backend": {"policy_version": 2}, "controller": {"seed": 0}}
+    folder = _checkpoint(tmp_path, json.dumps(state))
+    assert read_checkpoint_state(str(folder), name="s3://bucket/run/checkpoint_000002") == state
+
+
+# ------------------------------------------------------------------ rewards
+
+
+PROMPTS = ["a", "b", "c", "d"]
+IMAGES = [np.full((4, 4, 3), 200, dtype=np.uint8)] * 4
+
+
+def test_reward_of_the_wrong_length_is_an_error_naming_it():
+    with pytest.raises(RewardError, match=r"reward 'short' failed: returned 3 scores for 4 samples"):
+        score_one("short", lambda **_: [1.0, 2.0, 3.0], IMAGES, PROMPTS)
+    with pytest.raises(RewardError, match=r"reward 'scalar' failed: returned float; .*one score per sample"):
+        score_one("scalar", lambda **_: 1.0, IMAGES, PROMPTS)
+    with pytest.raises(RewardError, match=r"reward 'text' failed: returned a non-numeric score"):
+        score_one("text", lambda **_: ["x"] * 4, IMAGES, PROMPTS)
+
+
+def test_nan_and_none_rewards_are_invalid_samples_and_counted():
+    scores = score_one("partial", lambda **_: [1.0, math.nan, None, math.inf], IMAGES, PROMPTS)
+    assert scores == [1.0, None, None, None]
+    per_source = {"partial": scores, "ok": [0.5] * 4}
+    totals = combine(per_source, {"partial": 1.0, "ok": 2.0})
+    assert totals == [2.0, None, None, None]
+    metrics = reward_metrics(per_source, totals)
+    assert metrics["reward/invalid_frac"] == 0.75 and metrics["reward/mean"] == 2.0
+    # a source with weight 0 is logged but does not invalidate a sample
+    assert combine(per_source, {"partial": 0.0, "ok": 1.0}) == [0.5] * 4
+
+
+def test_images_not_matching_the_contract_fail_naming_the_reward():
+    gray = [np.zeros((4, 4), dtype=np.uint8)] * 4
+    with pytest.raises(RewardError, match=r"reward 'brightness' failed: .*expected an image \[H, W, 3\]"):
+        score_batch({"brightness": brightness}, gray, PROMPTS)
+    floats = [np.zeros((4, 4, 3), dtype=np.float32)] * 4
+    with pytest.raises(RewardError, match=r"reward 'brightness' failed: .*expected uint8 pixels"):
+        score_batch({"brightness": brightness}, floats, PROMPTS)
+    with pytest.raises(ValueError, match="got 3 images for 4 prompts"):
+        score_batch({"brightness": brightness}, IMAGES[:3], PROMPTS)
+
+
+# ------------------------------------------------------------------ model: block class
+
+
+def test_unknown_block_class_is_named_when_the_worker_sets_up():
+    """What a train rank does (StackWorker builds bundle, then backend), in one process."""
+    cfg = load_recipe(TINY, ["backend.block_class_names=[Nope]"])
+    backend = instantiate(cfg.backend, bundle=instantiate(cfg.bundle))
+    with pytest.raises(ValueError, match=r"block_class_names \['Nope'\] not found in SD3Transformer.*"
+                                         r"Set backend.block_class_names"):
+        backend.setup(topology=TrainTopology(), device=torch.device("cpu"))

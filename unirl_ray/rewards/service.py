@@ -41,7 +41,10 @@ logger = logging.getLogger(__name__)
 
 CLIENT_GRACE_S = 2.0
 """Extra seconds the driver waits beyond ``timeout_s`` (transport, queueing) so the replica names a slow source."""
-
+RETRY_BACKOFF_S = 1.0
+"""Pause before the first retry of a failed reward request; doubled on each further retry."""
+RETRY_BACKOFF_MAX_S = 10.0
+"""Longest pause between two retries."""
 
 
 @serve.deployment(graceful_shutdown_timeout_s=5)
@@ -315,7 +318,9 @@ class RewardClient:
                 break
             if attempt:
                 retries += sum(len(u.pending) for u in units)
-                logger.warning("retrying reward source(s) %s (attempt %d)", _failed_names(units), attempt + 1)
+                pause = min(RETRY_BACKOFF_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S)
+                logger.warning("retrying reward source(s) %s in %.1fs (attempt %d)", _failed_names(units), pause, attempt + 1)
+                time.sleep(pause)  # a dead replica: give Serve the time to route around it and replace it
             self._attempt(units, scores, causes)
         skipped = self._apply_on_error(units, causes)
         return scores, retries, skipped

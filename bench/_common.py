@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
 import statistics
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -22,6 +27,24 @@ def offline_env() -> None:
     """No hub downloads, telemetry or tokenizer threads (set before torch / transformers / ray load)."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def fresh_setup(trainer: Any) -> float:
+    """``trainer.setup()`` for a new run (its resolved-recipe dump shown only if setup fails); seconds taken.
+
+    Raises if the run resumed an earlier one: a benchmark must start from step 0.
+    """
+    t0 = time.perf_counter()
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            resumed = trainer.setup()
+    except BaseException:
+        sys.stdout.write(captured.getvalue())
+        raise
+    if resumed:
+        raise RuntimeError("the benchmark needs a fresh run, but it resumed an earlier one")
+    return time.perf_counter() - t0
 
 
 def median(values: list[float]) -> float:

@@ -33,8 +33,6 @@ See bench/README.md for what is measured, how the sides differ, and how to read 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import logging
 import os
 import platform
@@ -48,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    fresh_setup,
     cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
 )
 
@@ -193,17 +192,7 @@ class TrainerSide:
         self.steps: dict[int, dict[str, float]] = {}
 
     def setup(self) -> float:
-        t0 = time.perf_counter()
-        captured = io.StringIO()  # the resolved-recipe dump: shown only when setup fails
-        try:
-            with contextlib.redirect_stdout(captured):
-                resumed = self.trainer.setup()
-        except BaseException:
-            sys.stdout.write(captured.getvalue())
-            raise
-        if resumed:
-            raise RuntimeError("the benchmark needs a fresh run, but it resumed an earlier one")
-        return time.perf_counter() - t0
+        return fresh_setup(self.trainer)
 
     def run_block(self, n: int) -> float:
         """Run the next ``n`` steps; returns the block's wall time (MLflow logging and checkpoints included)."""

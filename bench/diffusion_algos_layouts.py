@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    fresh_setup,
     emit_json, fmt_num, loadavg_1min, median, offline_env, print_table,
 )
 
@@ -84,17 +85,7 @@ class TrainerRun:
         self.steps: dict[int, dict[str, float]] = {}
 
     def setup(self) -> float:
-        t0 = time.perf_counter()
-        captured = io.StringIO()  # the resolved-recipe dump: shown only when setup fails
-        try:
-            with contextlib.redirect_stdout(captured):
-                resumed = self.trainer.setup()
-        except BaseException:
-            sys.stdout.write(captured.getvalue())
-            raise
-        if resumed:
-            raise RuntimeError("the benchmark needs a fresh run, but it resumed an earlier one")
-        return time.perf_counter() - t0
+        return fresh_setup(self.trainer)
 
     def run_block(self, n: int) -> float:
         """Run the next ``n`` steps; returns the block's wall time."""

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    fresh_setup,
     cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
 )
 
@@ -69,10 +70,7 @@ class TrainerDriver:
         self.metrics: dict[str, dict[int, float]] = {k: {} for k in A_KEYS}
 
     def setup(self) -> float:
-        t0 = time.perf_counter()
-        if self.trainer.setup():
-            raise RuntimeError("the benchmark needs a fresh run, but it resumed an earlier one")
-        return time.perf_counter() - t0
+        return fresh_setup(self.trainer)
 
     def run_block(self, n: int) -> float:
         """Run the next ``n`` steps; returns the block's wall time (logging, images, checkpoints included)."""

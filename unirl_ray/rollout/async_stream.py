@@ -102,6 +102,7 @@ class RolloutStage:
     def __init__(self, engine: Any, gate: Any, max_staleness: int, partial_rollout: str, timeout_s: float) -> None:
         self.engine, self.gate = engine, gate
         self.max_staleness, self.partial_rollout, self.timeout_s = max_staleness, partial_rollout, timeout_s
+        self.last_end: float | None = None  # when the previous batch finished generating (this process's clock)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, list[Any]] = {"step": [], "payload": [], "info": []}
@@ -115,6 +116,7 @@ class RolloutStage:
     def rollout(self, step: int, requests: list[dict[str, Any]]) -> tuple[list[Sample], dict[str, float]]:
         min_version = max(0, step - 1 - self.max_staleness)
         t0 = time.perf_counter()
+        idle = 0.0 if self.last_end is None else t0 - self.last_end  # waiting for Ray Data to hand over this batch
         ray.get(self.gate.wait_for.remote(min_version, self.timeout_s), timeout=self.timeout_s + 60)
         t1 = time.perf_counter()
         samples = self.engine.generate(requests, min_version=min_version)
@@ -130,7 +132,8 @@ class RolloutStage:
                     samples[i] = sample
                 resampled += len(stale)
         t2 = time.perf_counter()
-        return samples, {"wait_s": t1 - t0, "generate_s": t2 - t1, "finished_at": time.time(),
+        self.last_end = t2
+        return samples, {"wait_s": t1 - t0, "generate_s": t2 - t1, "idle_s": idle + t1 - t0, "finished_at": time.time(),
                          "resampled": float(resampled), "min_version": float(min_version)}
 
 
@@ -160,7 +163,8 @@ class Entry:
     samples: list[Sample]
     """Scored samples, each tagged with the policy version that generated it."""
     info: dict[str, Any] = field(default_factory=dict)
-    """Timings of the stages (``wait_s``, ``generate_s``, ``finished_at``), ``resampled`` and ``reward_metrics``."""
+    """Timings of the rollout stage (``wait_s`` for the version gate, ``generate_s``, ``idle_s``: not generating
+    since the previous batch, ``finished_at``: wall clock), ``resampled`` and ``reward_metrics``."""
 
 
 class SampleCache:
@@ -226,7 +230,8 @@ class RolloutStream:
         steps = sorted(requests)
         self.generated = 0
         self.resampled = 0
-        self.busy: list[tuple[float, float]] = []  # wall-clock intervals in which the rollout stage generated
+        self.busy: list[tuple[float, float]] = []
+        """Wall-clock (start, end) of every batch generation, in arrival order (benchmarks read it)."""
         items = [{"step": j, "payload": _dumps(requests[j])} for j in steps]
         ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))  # one step per block: streamed
         ds._context = ds.context.copy()  # noqa: SLF001 - this stream's own options, not the process-wide ones
@@ -252,19 +257,12 @@ class RolloutStream:
                     samples, info = _loads(payload), _loads(raw_info)
                     self.generated += len(samples)
                     self.resampled += int(info.get("resampled", 0))
-                    with self.cache.cond:
-                        self.busy.append((info["finished_at"] - info["generate_s"], info["finished_at"]))
+                    self.busy.append((info["finished_at"] - info["generate_s"], info["finished_at"]))
                     self.cache.put(Entry(int(step), samples, info), self.timeout_s)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's next take()
             if not self.cache.closed:
                 log.error("rollout stream failed: %s", exc)
             self.cache.fail(exc)
-
-    def busy_seconds(self, start: float, end: float) -> float:
-        """Seconds of [start, end] (wall clock) in which the rollout stage was generating."""
-        with self.cache.cond:
-            self.busy = [iv for iv in self.busy if iv[1] > start - 3600.0]
-            return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.busy)
 
     def publish(self, version: int) -> None:
         """Open the gate for batches that may use ``version`` (after every replica serves it, verified)."""

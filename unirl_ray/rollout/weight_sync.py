@@ -79,17 +79,22 @@ class TensorWeightSync:
 
     def push(self, group: Any, engine: Any, version: int) -> dict[str, float]:
         """Export from the train ranks, publish once, load on every replica, verify."""
+        t0 = time.perf_counter()
+        ref, checksum, metrics = self.export(group, version)
+        engine.publish(version, ref, checksum, timeout_s=self.timeout_s)
+        return {**metrics, "weight_sync/seconds": time.perf_counter() - t0}
+
+    def export(self, group: Any, version: int) -> tuple[Any, str, dict[str, float]]:
+        """Gather the trainable weights from the train ranks into the object store once:
+        ``(object ref, checksum, metrics)``; ``engine.publish`` then loads and verifies them."""
         import ray
 
         t0 = time.perf_counter()
         exported = group.call("export_weights", {})[0]
         state, checksum = exported["state"], exported["checksum"]
         ref = ray.put(state)
-        t1 = time.perf_counter()
-        engine.publish(version, ref, checksum, timeout_s=self.timeout_s)
-        return {
-            "weight_sync/seconds": time.perf_counter() - t0,
-            "weight_sync/export_seconds": t1 - t0,
+        return ref, checksum, {
+            "weight_sync/export_seconds": time.perf_counter() - t0,
             "weight_sync/bytes": float(state_bytes(state)),
             "weight_sync/version": float(version),
         }

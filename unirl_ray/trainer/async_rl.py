@@ -9,8 +9,9 @@ prompts -> rollout on the engine app -> reward, into a bounded sample cache. A b
 ``j`` may only start once version ``j - 1 - max_staleness`` is published, so every sample the
 trainer takes is at most ``max_staleness`` versions old; the trainer checks this on every sample
 (and that no sample is trained twice) before training. Weights are published at explicit
-barriers: every ``sync.every`` train steps the train ranks export, every engine replica loads and
-verifies the new version, then the gate lets the stream use it. ``max_staleness: 0`` with
+barriers: every ``sync.every`` train steps the train ranks export, then (in the background, while
+the next step trains) every engine replica loads and verifies the new version after the generation it
+is running, and only then does the gate let the stream use it. ``max_staleness: 0`` with
 ``sync.every: 1`` is the synchronous trainer, number for number.
 
 Stale samples need an off-policy correction in the loss: set ``algorithm.off_policy: {mode:
@@ -19,14 +20,16 @@ decoupled}`` (``unirl_ray.algorithms.off_policy``); its importance-weight statis
 Metrics (MLflow): ``async/staleness/<v>`` (samples of staleness v this step: the histogram),
 ``async/staleness_mean|max``, ``async/cache_depth`` / ``async/cache_depth_samples`` (batches ready
 when the step began), ``async/train_idle_ratio`` (share of the step spent waiting for samples),
-``async/rollout_idle_ratio`` (share of the interval since the previous step in which the rollout
-slab did not generate), ``perf/rollout_samples_per_s`` and ``perf/train_samples_per_s`` (each slab
+``async/rollout_idle_ratio`` (share of the time between the end of the previous batch's generation
+and the end of this one's in which the rollout slab did not generate: waiting for a version or for
+the stream), ``perf/rollout_samples_per_s`` and ``perf/train_samples_per_s`` (each slab
 while busy), ``timing/weight_sync``, running totals ``async/samples_generated|trained|resampled``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -116,10 +119,12 @@ class AsyncRLTrainer(RLTrainer):
             requests[step] = self.make_requests(step, rows)
             self._data_states[step] = self.data.state_dict()
         self._trained_ids: dict[int, set[str]] = dict(trained_ids or {})  # per step: rewound on a restart
+        self._publish_thread: threading.Thread | None = None
+        self._publish_error: BaseException | None = None
+        self._publish_seconds: float | None = None
         self._seen_ids: set[str] = set().union(*self._trained_ids.values()) if self._trained_ids else set()
         self._last_step = start
         self._totals = {"trained": 0}
-        self._last_step_end = time.time()
         self.stream = RolloutStream(
             engine=self.engine, reward=self.reward, requests=requests, version=self.policy_version,
             max_staleness=self.async_cfg.max_staleness, partial_rollout=self.async_cfg.partial_rollout,
@@ -127,6 +132,10 @@ class AsyncRLTrainer(RLTrainer):
         )
 
     def teardown(self, status: str) -> None:
+        try:
+            self._finish_publish()
+        except Exception as exc:  # noqa: BLE001 - ending anyway
+            log.warning("the last weight publish failed: %s", exc)
         stream = getattr(self, "stream", None)
         if stream is not None:
             left = stream.close(f"trainer {status.lower()}")
@@ -147,9 +156,53 @@ class AsyncRLTrainer(RLTrainer):
         if self.stream is not None:
             self.stream.publish(version)
 
+    def publish_weights(self) -> dict[str, float]:
+        """The barrier without stalling training: the train ranks export now (fast); loading into every
+        replica, which waits for a generation in flight to finish, and opening the gate run in the
+        background while the next step trains. The next publish first waits for this one."""
+        waited = self._finish_publish()
+        version = self.policy_version
+        ref, checksum, metrics = self.sync.export(self.group, version)
+
+        def load() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.engine.publish(version, ref, checksum, timeout_s=self.sync.timeout_s)
+                self.published(version)
+            except BaseException as exc:  # noqa: BLE001 - raised on the trainer's thread by _finish_publish
+                self._publish_error = exc
+            self._publish_seconds = time.perf_counter() - t0
+
+        self._publish_thread = threading.Thread(target=load, name=f"unirl-publish-v{version}", daemon=True)
+        self._publish_thread.start()
+        metrics["async/publish_wait_s"] = waited
+        metrics["timing/weight_sync"] = metrics["weight_sync/export_seconds"] + waited  # what the trainer spent
+        if self._publish_seconds is not None:
+            metrics["weight_sync/seconds"] = self._publish_seconds  # the previous version's load on the engine
+        return metrics
+
+    def _finish_publish(self) -> float:
+        """Wait for the publish in flight (bounded by sync.timeout_s); re-raise its error; seconds waited."""
+        thread = getattr(self, "_publish_thread", None)
+        t0 = time.perf_counter()
+        if thread is not None:
+            thread.join(self.sync.timeout_s + 60)
+            if thread.is_alive():
+                raise TimeoutError(f"the rollout replicas did not load the new weights within {self.sync.timeout_s:.0f}s "
+                                   "(sync.timeout_s)")
+            self._publish_thread = None
+        error, self._publish_error = getattr(self, "_publish_error", None), None
+        if error is not None:
+            raise error
+        return time.perf_counter() - t0
+
     def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
         """A worker-group restart rewinds training to a checkpoint: drop the stream (its batches were made
         for steps that run again), republish the checkpoint's weights, stream again from its data cursor."""
+        try:
+            self._finish_publish()
+        except Exception as exc:  # noqa: BLE001 - the checkpoint's weights are published again below
+            log.warning("a weight publish failed during the restart: %s", exc)
         left = self.stream.close("the train worker group restarted")
         log.warning("async rollout: discarding %d cached samples after the worker-group restart", left["samples"])
         self.stream = None
@@ -166,6 +219,7 @@ class AsyncRLTrainer(RLTrainer):
         samples, info = entry.samples, entry.info
         self.prompt_log.append((step, self._requests_rows.pop(step)))
         staleness = self._check(step, samples)
+        self._rollout_idle = info["idle_s"] / max(info["idle_s"] + info["generate_s"], 1e-9)
         metrics: dict[str, Any] = {"timing/rollout": info["generate_s"], "timing/rollout_wait": info["wait_s"],
                                    **self.rollout_metrics(samples), **info["reward_metrics"]}
         metrics |= {f"async/staleness/{v}": float(staleness.count(v)) for v in range(self.async_cfg.max_staleness + 1)}
@@ -200,15 +254,12 @@ class AsyncRLTrainer(RLTrainer):
 
     def run_step(self, step: int) -> dict[str, Any]:
         metrics = super().run_step(step)
-        now = time.time()
-        since, self._last_step_end = self._last_step_end, now
         self._last_step = step
         trained = len(self.prompt_log[-1][1]) * self.group_size
         self._totals["trained"] += trained
-        busy = self.stream.busy_seconds(since, now)
         metrics |= {
             "async/train_idle_ratio": metrics["async/train_wait_s"] / max(metrics["timing/step"], 1e-9),
-            "async/rollout_idle_ratio": max(0.0, 1.0 - busy / max(now - since, 1e-9)),
+            "async/rollout_idle_ratio": self._rollout_idle,
             "async/samples_trained": float(self._totals["trained"]),
             "perf/train_samples_per_s": trained / max(metrics["timing/train"], 1e-9),
         }

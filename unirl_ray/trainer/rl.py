@@ -243,9 +243,7 @@ class RLTrainer(BaseTrainer):
         metrics["timing/train"] = time.perf_counter() - t0
 
         if self.engine is not None and self.sync.due(step):
-            metrics |= self.sync.push(self.group, self.engine, self.policy_version)
-            metrics["timing/weight_sync"] = metrics["weight_sync/seconds"]
-            self.published(self.policy_version)
+            metrics |= self.publish_weights()
 
         metrics["timing/step"] = time.perf_counter() - t_step
         metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
@@ -253,6 +251,13 @@ class RLTrainer(BaseTrainer):
             self.log_samples(step, samples)
         if self.eval_source is not None and (step % self.run_cfg.eval_every == 0 or step == self.run_cfg.num_steps):
             metrics |= self.evaluate(step)
+        return metrics
+
+    def publish_weights(self) -> dict[str, float]:
+        """Push the trained weights to every engine replica and verify them (the barrier); returns metrics."""
+        metrics = self.sync.push(self.group, self.engine, self.policy_version)
+        metrics["timing/weight_sync"] = metrics["weight_sync/seconds"]
+        self.published(self.policy_version)
         return metrics
 
     def published(self, version: int) -> None:

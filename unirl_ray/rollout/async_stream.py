@@ -237,11 +237,12 @@ class RolloutStream:
         ds._context = ds.context.copy()  # noqa: SLF001 - this stream's own options, not the process-wide ones
         ds.context.execution_options.preserve_order = True
         ds.context.enable_progress_bars = False
+        # each stage is one long-lived actor, so batches go through it in step order
         self.dataset = ds.map_batches(
-            RolloutStage, batch_size=1, concurrency=1, num_cpus=STAGE_NUM_CPUS,
+            RolloutStage, batch_size=1, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=STAGE_NUM_CPUS,
             fn_constructor_kwargs={"engine": engine, "gate": self.gate, "max_staleness": max_staleness,
                                    "partial_rollout": partial_rollout, "timeout_s": timeout_s},
-        ).map_batches(RewardStage, batch_size=1, concurrency=1, num_cpus=STAGE_NUM_CPUS,
+        ).map_batches(RewardStage, batch_size=1, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=STAGE_NUM_CPUS,
                       fn_constructor_kwargs={"reward": reward})
         self.thread = threading.Thread(target=self._consume, name="unirl-rollout-stream", daemon=True)
         self.thread.start()

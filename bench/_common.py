@@ -117,3 +117,31 @@ def loadavg_1min() -> float:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return float("nan")
+
+
+def shutdown_ray() -> None:
+    """Shut down Serve and the bench's Ray (best effort)."""
+    import ray
+
+    if ray.is_initialized():
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - best effort, ray.shutdown ends everything
+            pass
+        ray.shutdown()
+
+
+def finish_report(result: dict[str, Any], load_start: float, t_all: float, json_out: str | None) -> None:
+    """Print the load / wall-time line, add them and the host to ``result``, emit the JSON line."""
+    import platform
+
+    import torch
+
+    load_end = loadavg_1min()
+    print(f"1-min load average: {load_start:.1f} at start, {load_end:.1f} at end ({os.cpu_count()} CPUs); "
+          f"total {time.perf_counter() - t_all:.0f} s")
+    result |= {"total_wall_s": time.perf_counter() - t_all, "loadavg_1min": {"start": load_start, "end": load_end},
+               "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
+    emit_json(result, json_out)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    shutdown_ray,
     fresh_setup,
     cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
 )
@@ -668,16 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                     runners[side].close()
                 except Exception as exc:  # noqa: BLE001 - keep tearing down the others
                     print(f"[bench] teardown of {side} failed: {exc}", flush=True)
-        import ray
-
-        if ray.is_initialized():
-            try:
-                from ray import serve
-
-                serve.shutdown()
-            except Exception:  # noqa: BLE001 - best effort, ray.shutdown ends everything
-                pass
-            ray.shutdown()
+        shutdown_ray()
         if not args.keep_storage:
             shutil.rmtree(storage, ignore_errors=True)
     load_end = os.getloadavg()[0]

@@ -44,7 +44,6 @@ import io
 import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    finish_report, shutdown_ray,
     fresh_setup,
     cpu_seconds, emit_json, fmt_num, loadavg_1min, median, offline_env, print_table,
 )
@@ -339,19 +339,6 @@ def start_ray() -> None:
              log_to_driver=False)  # the Serve replicas log every call: printing that costs the 2 shared cores
 
 
-def shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        try:
-            from ray import serve
-
-            serve.shutdown()
-        except Exception:  # noqa: BLE001 - best effort, ray.shutdown ends everything
-            pass
-        ray.shutdown()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=("ar", "diffusion", "all"), default="all", help="which task (default all)")
@@ -377,8 +364,6 @@ def main(argv: list[str] | None = None) -> int:
         emit_json(reanalyse(args.reanalyse, args), args.json_out)
         return 0
 
-    import torch
-
     tasks = ["ar", "diffusion"] if args.task == "all" else [args.task]
     default_steps = {"ar": 24, "diffusion": 16}
     t_all = time.perf_counter()
@@ -395,12 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_ray()
         if not args.keep_storage:
             shutil.rmtree(storage, ignore_errors=True)
-    load_end = loadavg_1min()
-    print(f"1-min load average: {load_start:.1f} at start, {load_end:.1f} at end ({os.cpu_count()} CPUs); "
-          f"total {time.perf_counter() - t_all:.0f} s")
-    result |= {"total_wall_s": time.perf_counter() - t_all, "loadavg_1min": {"start": load_start, "end": load_end},
-               "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
-    emit_json(result, args.json_out)
+    finish_report(result, load_start, t_all, args.json_out)
     return 0
 
 

@@ -41,7 +41,6 @@ import contextlib
 import io
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -50,8 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    finish_report, shutdown_ray,
     fresh_setup,
-    emit_json, fmt_num, loadavg_1min, median, offline_env, print_table,
+    fmt_num, loadavg_1min, median, offline_env, print_table,
 )
 
 offline_env()
@@ -137,19 +137,6 @@ def section_diff(a, b, sections: tuple[str, ...]) -> list[str]:
         fa |= flat(OmegaConf.to_container(a[s], resolve=True), s) if s in a else {}
         fb |= flat(OmegaConf.to_container(b[s], resolve=True), s) if s in b else {}
     return sorted(k for k in set(fa) | set(fb) if fa.get(k, "<unset>") != fb.get(k, "<unset>"))
-
-
-def shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        try:
-            from ray import serve
-
-            serve.shutdown()
-        except Exception:  # noqa: BLE001 - best effort, ray.shutdown ends everything
-            pass
-        ray.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,8 +394,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must exceed --window (the threshold is checked after the first window)")
     logging.basicConfig(level=os.environ.get("UNIRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
 
-    import torch
-
     t_all = time.perf_counter()
     storage = tempfile.mkdtemp(prefix="unirl_bench_diffusion_")
     load_start = loadavg_1min()
@@ -422,12 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_ray()
         if not args.keep_storage:
             shutil.rmtree(storage, ignore_errors=True)
-    load_end = loadavg_1min()
-    print(f"1-min load average: {load_start:.1f} at start, {load_end:.1f} at end ({os.cpu_count()} CPUs); "
-          f"total {time.perf_counter() - t_all:.0f} s")
-    result |= {"total_wall_s": time.perf_counter() - t_all, "loadavg_1min": {"start": load_start, "end": load_end},
-               "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
-    emit_json(result, args.json_out)
+    finish_report(result, load_start, t_all, args.json_out)
     return 0
 
 

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    shutdown_ray,
     fresh_setup,
     cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
 )
@@ -326,16 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             driver.teardown()
         finally:
-            import ray
-
-            if ray.is_initialized():
-                try:
-                    from ray import serve
-
-                    serve.shutdown()
-                except Exception:  # noqa: BLE001 - best effort, ray.shutdown ends everything
-                    pass
-                ray.shutdown()
+            shutdown_ray()
             if not args.keep_storage:
                 shutil.rmtree(storage, ignore_errors=True)
 

@@ -17,6 +17,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "tiny", "char_grpo_direct.yaml")
 
 
+def kill_rank(trainer, rank):
+    """SIGKILL one train worker process (as a crash would); returns its pid."""
+    pid = trainer.group.call("ping", {})[rank]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
 def logged(trainer, key):
     """{step: [values in logging order]} of a metric (a replayed step has two)."""
     client = MlflowClient(trainer.tracker.tracking_uri)
@@ -42,9 +49,7 @@ def test_killed_worker_mid_step_is_restarted_and_the_run_ends_as_if_nothing_happ
         step, prompts = trainer.prompt_log[-1]
         first_draw.setdefault(step, prompts)
         if step == steps and not killed:  # step 6's samples are out, its training starts
-            pid = trainer.group.call("ping", {})[1]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+            killed.append(kill_rank(trainer, 1))
         return original(samples, seed=seed)
 
     trainer.train = train
@@ -80,9 +85,7 @@ def test_sft_worker_killed_mid_call_replays_the_lost_steps_on_the_same_records(r
 
     def train_steps(first, count):
         if first == 5 and not killed:
-            pid = trainer.group.call("ping", {})[1]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+            killed.append(kill_rank(trainer, 1))
         return original(first, count)
 
     trainer.train_steps = train_steps
@@ -114,9 +117,7 @@ def test_async_trainer_restarts_its_rollout_stream_after_a_worker_death(ray_loca
         step = trainer.prompt_log[-1][0]
         versions.setdefault(step, []).append((trainer.policy_version, [s.policy_version for s in samples]))
         if step == steps and not killed:
-            pid = trainer.group.call("ping", {})[0]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+            killed.append(kill_rank(trainer, 0))
         return original(samples, seed=seed)
 
     trainer.train = train

@@ -145,3 +145,19 @@ def finish_report(result: dict[str, Any], load_start: float, t_all: float, json_
     result |= {"total_wall_s": time.perf_counter() - t_all, "loadavg_1min": {"start": load_start, "end": load_end},
                "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
     emit_json(result, json_out)
+
+
+def moving_average(curve: list[float], window: int) -> list[float]:
+    """``out[i]`` = mean of ``curve[i - window + 1 .. i]`` (NaN for the first ``window - 1`` steps)."""
+    return [float("nan") if i + 1 < window else float(statistics.fmean(curve[i + 1 - window:i + 1])) for i in range(len(curve))]
+
+
+def steps_to_threshold(curve: list[float], window: int, delta: float) -> tuple[float, int | None]:
+    """(start, first step) where start = mean of the first ``window`` steps and the first step (1-based,
+    after the first window) whose ``window``-step moving average is >= start + ``delta``; None if never."""
+    start = float(statistics.fmean(curve[:window]))
+    ma = moving_average(curve, window)
+    for i in range(window, len(curve)):
+        if ma[i] >= start + delta:
+            return start, i + 1
+    return start, None

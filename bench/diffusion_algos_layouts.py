@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    moving_average, steps_to_threshold,
     finish_report, shutdown_ray,
     fresh_setup,
     fmt_num, loadavg_1min, median, offline_env, print_table,
@@ -141,22 +142,6 @@ def section_diff(a, b, sections: tuple[str, ...]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # part 1: DiffusionNFT vs Flow-GRPO
-
-
-def moving_average(curve: list[float], window: int) -> list[float]:
-    """``out[i]`` = mean of ``curve[i - window + 1 .. i]`` (NaN for the first ``window - 1`` steps)."""
-    return [float("nan") if i + 1 < window else float(np.mean(curve[i + 1 - window:i + 1])) for i in range(len(curve))]
-
-
-def steps_to_threshold(curve: list[float], window: int, delta: float) -> tuple[float, int | None]:
-    """(start, first step) where start = mean of the first ``window`` steps and the first step (1-based,
-    after the first window) whose ``window``-step moving average is >= start + ``delta``; None if never."""
-    start = float(np.mean(curve[:window]))
-    ma = moving_average(curve, window)
-    for i in range(window, len(curve)):
-        if ma[i] >= start + delta:
-            return start, i + 1
-    return start, None
 
 
 def run_algos(args, storage: str, out: dict[str, Any]) -> None:

@@ -104,3 +104,14 @@ def test_offload_releases_cuda_memory():
     assert torch.cuda.memory_allocated() >= before - 0.01 * held
     backend.optimizer_step(1.0)
     train(backend, 1, start=2)
+
+
+def test_unindexed_accelerator_devices_are_pinned_to_the_current_index(monkeypatch):
+    # tensors report cuda:0, and torch.device("cuda") != torch.device("cuda:0"): an unindexed backend
+    # device made offload skip every storage (found on a GPU)
+    from unirl_ray.train.backend.offload import canonical_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert canonical_device("cuda") == torch.device("cuda", 3)
+    assert canonical_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert canonical_device("cpu") == torch.device("cpu") and canonical_device("meta") == torch.device("meta")

@@ -29,7 +29,7 @@ from torch import nn
 from unirl_ray.train.backend import checkpoint, dcp_io
 from unirl_ray.train.backend.ema import AdapterEma, MirrorEma, exchange_, local
 from unirl_ray.train.backend.lora import inject_lora, tuner_layers
-from unirl_ray.train.backend.offload import StorageOffloader
+from unirl_ray.train.backend.offload import StorageOffloader, canonical_device
 from unirl_ray.train.backend.wrap import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -124,7 +124,7 @@ class FSDPBackend:
             raise ValueError(
                 f"FSDPBackend.trainable_attr={self.trainable_attr!r}: the bundle has no nn.Module attribute by that name"
             )
-        self.topology, self.device = topology, torch.device(device)
+        self.topology, self.device = topology, canonical_device(device)
         self._check_block_classes(module)
         module.to(device)
         module.requires_grad_(False)

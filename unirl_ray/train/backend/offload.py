@@ -17,6 +17,20 @@ import torch
 from unirl_ray.train.backend.wrap import local
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``cuda`` becomes ``cuda:<current device>``.
+
+    Tensors report indexed devices (``cuda:0``) and ``torch.device("cuda") != torch.device("cuda:0")``,
+    so comparisons against an unindexed device would silently match nothing.
+    """
+    device = torch.device(device)
+    if device.index is None and device.type != "cpu" and device.type != "meta":
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device"):
+            return torch.device(device.type, module.current_device())
+    return device
+
+
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over all of ``storage`` (views, padding and all)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -26,7 +40,7 @@ class StorageOffloader:
     """Holds host copies of device storages while they are freed."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.offloaded = False
         """True between ``offload`` and ``onload``."""

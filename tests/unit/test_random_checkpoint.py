@@ -1,0 +1,98 @@
+"""``unirl_ray.tools.random_checkpoint``: published architectures, folders the real recipes accept,
+and (GPU only) the full-size device check of the real diffusion recipes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from unirl_ray.tools.random_checkpoint import (
+    FAMILIES,
+    build_pipeline,
+    count_parameters,
+    write_checkpoint,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Parameter counts of the published checkpoints' components (billions): the SD3.5 Medium MMDiT-X
+# transformer as diffusers counts it (marketed as "2.5B"), CLIP ViT-L/14 and OpenCLIP bigG/14 text
+# towers with projections, the T5 v1.1 XXL and UMT5-XXL encoders, the Wan2.1 T2V 1.3B transformer.
+PUBLISHED = {
+    "sd3.5-medium": {"transformer": 2.24, "text_encoder": 0.124, "text_encoder_2": 0.695, "text_encoder_3": 4.76},
+    "wan2.1-t2v-1.3b": {"transformer": 1.42, "vae": 0.127, "text_encoder": 5.68},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_architectures_have_the_published_parameter_counts(family):
+    counts = count_parameters(build_pipeline(family, device="meta"), family)
+    for component, billions in PUBLISHED[family].items():
+        assert counts[component] == pytest.approx(billions * 1e9, rel=0.01), (component, counts[component])
+
+
+def _real_recipes():
+    from unirl_ray.trainer.async_rl import AsyncDiffusionTrainer
+    from unirl_ray.trainer.diffusion import DiffusionTrainer
+
+    return [
+        ("sd3.5-medium", "sd3/sd3_5_medium_flowgrpo.yaml", DiffusionTrainer),
+        ("sd3.5-medium", "sd3/sd3_5_medium_nft.yaml", DiffusionTrainer),
+        ("sd3.5-medium", "sd3/sd3_5_medium_flowgrpo_async.yaml", AsyncDiffusionTrainer),
+        ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_flowgrpo.yaml", DiffusionTrainer),
+    ]
+
+
+def test_configs_only_folders_pass_the_real_recipes_checks(tmp_path, monkeypatch):
+    from unirl_ray.config.recipe import RecipeError, load_recipe
+
+    folders = {}
+    for family in FAMILIES:
+        info = write_checkpoint(family, str(tmp_path / family), configs_only=True)
+        assert info["bytes"] < 2_000_000 and info["configs_only"]
+        folder = tmp_path / family
+        index = json.loads((folder / "model_index.json").read_text())
+        for component in FAMILIES[family].modules:
+            assert component in index and (folder / component / "config.json").is_file()
+        assert not list(folder.rglob("*.safetensors"))
+        folders[family] = str(folder)
+    for family, recipe, trainer_cls in _real_recipes():
+        monkeypatch.setenv("PRETRAINED_MODEL", folders[family])
+        trainer = trainer_cls(load_recipe(os.path.join(ROOT, "recipes", "diffusion", recipe)))
+        assert not trainer.is_demo()
+    # the checks really read the folder: a resolution the SD3.5 VAE x patch size cannot tile is refused
+    monkeypatch.setenv("PRETRAINED_MODEL", folders["sd3.5-medium"])
+    with pytest.raises(RecipeError, match="multiple of 16"):
+        from unirl_ray.trainer.diffusion import DiffusionTrainer
+
+        DiffusionTrainer(load_recipe(os.path.join(ROOT, "recipes", "diffusion", "sd3", "sd3_5_medium_flowgrpo.yaml"),
+                                     ["pipeline.height=520"]))
+
+
+def test_refuses_to_overwrite_a_folder_and_unknown_families(tmp_path):
+    write_checkpoint("sd3.5-medium", str(tmp_path), configs_only=True)
+    with pytest.raises(FileExistsError, match="already holds"):
+        write_checkpoint("sd3.5-medium", str(tmp_path), configs_only=True)
+    with pytest.raises(ValueError, match="sd3.5-medium"):
+        write_checkpoint("sd3-large", str(tmp_path / "x"), configs_only=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_full_size_sd35_medium_recipe_trains_on_a_gpu(tmp_path):
+    """The device check (bench/gpu_real_checkpoint.py) for one case: full-size weights, FSDP2 in bf16,
+    LoRA, rollout, two steps with the colocated offload turn between them, export and reload."""
+    out = tmp_path / "report.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_real_checkpoint.py"), "--cases",
+                    "sd3.5m-flowgrpo-lora", "--steps", "2", "--workdir", str(tmp_path / "work"),
+                    "--json-out", str(out)], check=True, timeout=900)
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["fsdp2_wrapped"] and case["export_reloaded_params"] == 2243171520
+    assert [s["policy_version"] for s in case["steps"]] == [1, 2]
+    assert case["steps"][1]["offload"]["resident_after_offload_gib"] == 0.0
+    assert case["steps"][1]["offload"]["allocated_drop_gib"] >= 0.9 * case["steps"][1]["offload"]["offloaded_gib"]
+    assert all(abs(s["rollout/logp_gap"]) < 1e-3 for s in case["steps"])

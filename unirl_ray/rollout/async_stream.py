@@ -1,15 +1,20 @@
 """The rollout slab of the async trainers: a Ray Data stream prompts -> rollout -> reward -> sample cache.
 
 One row per train step ``j`` (its requests: prompts x group_size with fixed seeds) flows through
-two Ray Data actor stages while the Ray Train slab trains:
+one Ray Data actor stage, ``RolloutStage``, while the Ray Train slab trains. For each row it
 
-- ``RolloutStage`` waits on the ``VersionGate`` until the trainer has published a policy version
+- waits on the ``VersionGate`` until the trainer has published a policy version
   ``>= j - 1 - max_staleness`` (admission control: the batch can then never be more than
   ``max_staleness`` versions old when train step ``j`` uses it, whose weights are version ``j - 1``),
   then generates on the dedicated engine app with that version or a newer one. Each sample is
   tagged with the version that generated it (read under the replica's lock, so a weight load
-  waits for a generation in flight: never a mix of two versions inside one sample).
-- ``RewardStage`` scores the samples on the reward Serve app(s).
+  waits for a generation in flight: never a mix of two versions inside one sample);
+- scores the samples on the reward Serve app(s).
+
+Rollout and reward share the stage on purpose: a second actor stage for the reward cost more CPU
+per sample than the overlap it bought (each Ray Data actor operator adds its own task, block and
+scheduling work on every row; bench/README.md has the measurement), and the overlap that matters,
+generation next to training, does not need it.
 
 The driver's consumer thread moves finished rows into the bounded ``SampleCache`` (at most
 ``max_staleness + 1`` steps are ever ahead of training: the gate guarantees it, the cache enforces
@@ -97,10 +102,12 @@ class VersionGate:
 
 
 class RolloutStage:
-    """Ray Data actor stage: admission by version, generation on the engine app, partial-rollout policy."""
+    """Ray Data actor stage: admission by version, generation on the engine app, partial-rollout
+    policy, then scoring on the reward app(s) (``sample.reward`` / ``rewards``) when ``reward`` is given."""
 
-    def __init__(self, engine: Any, gate: Any, max_staleness: int, partial_rollout: str, timeout_s: float) -> None:
-        self.engine, self.gate = engine, gate
+    def __init__(self, engine: Any, gate: Any, max_staleness: int, partial_rollout: str, timeout_s: float,
+                 reward: Any = None) -> None:
+        self.engine, self.gate, self.reward = engine, gate, reward
         self.max_staleness, self.partial_rollout, self.timeout_s = max_staleness, partial_rollout, timeout_s
         self.last_end: float | None = None  # when the previous batch finished generating (this process's clock)
 
@@ -108,6 +115,8 @@ class RolloutStage:
         out: dict[str, list[Any]] = {"step": [], "payload": [], "info": []}
         for step, payload in zip(batch["step"], batch["payload"]):
             samples, info = self.rollout(int(step), _loads(payload))
+            if self.reward is not None:  # the engine is idle meanwhile: counted in the next batch's idle_s
+                info["reward_metrics"] = self.reward.score(samples)
             out["step"].append(int(step))
             out["payload"].append(_dumps(samples))
             out["info"].append(_dumps(info))
@@ -116,7 +125,7 @@ class RolloutStage:
     def rollout(self, step: int, requests: list[dict[str, Any]]) -> tuple[list[Sample], dict[str, float]]:
         min_version = max(0, step - 1 - self.max_staleness)
         t0 = time.perf_counter()
-        idle = 0.0 if self.last_end is None else t0 - self.last_end  # waiting for Ray Data to hand over this batch
+        idle = 0.0 if self.last_end is None else t0 - self.last_end  # scoring the last batch, waiting for this one
         ray.get(self.gate.wait_for.remote(min_version, self.timeout_s), timeout=self.timeout_s + 60)
         t1 = time.perf_counter()
         samples = self.engine.generate(requests, min_version=min_version)
@@ -135,23 +144,6 @@ class RolloutStage:
         self.last_end = t2
         return samples, {"wait_s": t1 - t0, "generate_s": t2 - t1, "idle_s": idle + t1 - t0, "finished_at": time.time(),
                          "resampled": float(resampled), "min_version": float(min_version)}
-
-
-class RewardStage:
-    """Ray Data actor stage: score the samples on the reward app(s) (``sample.reward`` / ``rewards``)."""
-
-    def __init__(self, reward: Any) -> None:
-        self.reward = reward
-
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        infos = []
-        payloads = []
-        for payload, info in zip(batch["payload"], batch["info"]):
-            samples, info = _loads(payload), _loads(info)
-            info["reward_metrics"] = self.reward.score(samples)
-            payloads.append(_dumps(samples))
-            infos.append(_dumps(info))
-        return {"step": list(batch["step"]), "payload": payloads, "info": infos}
 
 
 @dataclass
@@ -237,13 +229,12 @@ class RolloutStream:
         ds._context = ds.context.copy()  # noqa: SLF001 - this stream's own options, not the process-wide ones
         ds.context.execution_options.preserve_order = True
         ds.context.enable_progress_bars = False
-        # each stage is one long-lived actor, so batches go through it in step order
+        # one long-lived stage actor, so batches go through it in step order
         self.dataset = ds.map_batches(
             RolloutStage, batch_size=1, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=STAGE_NUM_CPUS,
             fn_constructor_kwargs={"engine": engine, "gate": self.gate, "max_staleness": max_staleness,
-                                   "partial_rollout": partial_rollout, "timeout_s": timeout_s},
-        ).map_batches(RewardStage, batch_size=1, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=STAGE_NUM_CPUS,
-                      fn_constructor_kwargs={"reward": reward})
+                                   "partial_rollout": partial_rollout, "timeout_s": timeout_s, "reward": reward},
+        )
         self.thread = threading.Thread(target=self._consume, name="unirl-rollout-stream", daemon=True)
         self.thread.start()
 

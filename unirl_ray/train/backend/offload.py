@@ -24,7 +24,7 @@ def canonical_device(device: torch.device | str) -> torch.device:
     so comparisons against an unindexed device would silently match nothing.
     """
     device = torch.device(device)
-    if device.index is None and device.type != "cpu" and device.type != "meta":
+    if device.index is None and device.type not in ("cpu", "meta"):
         module = getattr(torch, device.type, None)
         if module is not None and hasattr(module, "current_device"):
             return torch.device(device.type, module.current_device())

@@ -40,10 +40,11 @@ def reward_history(tracking_uri, run_id, key="reward/mean"):
 
 
 def test_reward_rises_with_metrics_images_and_checkpoint(ray_local, tmp_path):
-    trainer = run(tmp_path, "learn", "trainer.num_steps=16", "trainer.checkpoint_every=8", "tracking.log_samples_every=8")
+    # seen: steps 1-3 average 0.4906 with a spread of 0.0016, steps 6-8 0.5156 (about 15 spreads higher)
+    trainer = run(tmp_path, "learn", "trainer.num_steps=8", "trainer.checkpoint_every=4", "tracking.log_samples_every=4")
     uri, run_id = trainer.tracker.tracking_uri, trainer.tracker.run_id
     rewards = reward_history(uri, run_id)
-    assert len(rewards) == 16
+    assert len(rewards) == 8
     first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
     spread = np.mean(reward_history(uri, run_id, "reward/std")[:3])
     # a clear margin: several times the within-step spread of the untrained model
@@ -61,7 +62,7 @@ def test_reward_rises_with_metrics_images_and_checkpoint(ray_local, tmp_path):
     assert any("images" in a or "samples" in a for a in artifacts), artifacts
     # on-policy trainside rollout: recomputed log-probs equal the recorded ones
     assert max(reward_history(uri, run_id, "rollout/logp_gap")) < 1e-4
-    ckpt = tmp_path / "learn" / "checkpoint_000016"
+    ckpt = tmp_path / "learn" / "checkpoint_000008"
     assert (ckpt / "controller_state.json").exists()
     assert any(p.name == ".metadata" for p in (ckpt / "shards").iterdir())
 

@@ -91,7 +91,7 @@ class DedicatedEngine:
 
         from unirl_ray.config.recipe import locate
         from unirl_ray.runtime.timeouts import call_with_timeout
-        from unirl_ray.rewards.service import start_serve
+        from unirl_ray.rewards.service import SHUTDOWN_POLL_S, start_serve
         from unirl_ray.runtime.train_group import NAMESPACE
 
         start_serve(None)
@@ -102,6 +102,7 @@ class DedicatedEngine:
             num_replicas=cfg.num_replicas,
             ray_actor_options=dict(cfg.ray_actor_options),
             max_ongoing_requests=cfg.max_ongoing_requests,
+            graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         )
         t0 = time.perf_counter()
         extra = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -364,16 +365,41 @@ class BaseTrainer(ABC):
         return info, self.tracker.run_id or (announced.get("controller") or {}).get("mlflow_run_id")
 
     def teardown(self, status: str) -> None:
+        """Stop the train workers and delete the Serve apps, then end the MLflow run.
+
+        The workers' stop and the apps' deletion are independent and both mostly wait (on Ray Train
+        ending its run, on Serve draining replicas), so they run at the same time (the stop is
+        bounded by ``TrainGroup.stop``'s timeouts). The MLflow run is ended in any case (``FAILED``
+        if either raised); the first error is raised after that.
+        """
+        errors: list[BaseException] = []
+
+        def stop_group() -> None:
+            try:
+                self.group.stop()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread below
+                errors.append(exc)
+
+        stopper = None
         if self.group is not None:
-            self.group.stop()
-        self.stop_services()
+            stopper = threading.Thread(target=stop_group, name=f"stop-{self.domain}-workers", daemon=True)
+            stopper.start()
+        try:
+            self.stop_services()
+        except BaseException as exc:  # noqa: BLE001 - raised after the workers stopped and the run ended
+            errors.insert(0, exc)
+        if stopper is not None:
+            stopper.join()
         if self.tracker.run_id:
-            self.tracker.end(status)
+            final = status if not errors else "FAILED"
+            self.tracker.end(final)
             print(
-                f"MLflow run {self.tracker.run_id} ({status}) in {self.tracker.tracking_uri}\n"
+                f"MLflow run {self.tracker.run_id} ({final}) in {self.tracker.tracking_uri}\n"
                 f"  open it with: {self.tracker.ui_command}",
                 flush=True,
             )
+        if errors:
+            raise errors[0]
 
     def stop_services(self) -> None:
         """Delete the Serve apps this run deployed."""

@@ -14,6 +14,10 @@ whose ids are valid for the real vocabularies).
 
 ``--configs-only`` writes every config and tokenizer but no weights (seconds, a few kB): enough for
 the driver-side recipe checks, which read the folder's configs.
+
+Weights are built in float32 and then cast, so building needs ~4 bytes per parameter on the device
+(~32 GB for SD3.5 Medium, ~29 GB for Wan2.1 1.3B with its UMT5); on one H200 each folder took
+under 15 s to build and 16-23 s to write.
 """
 
 from __future__ import annotations

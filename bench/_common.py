@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -27,6 +28,13 @@ def offline_env() -> None:
     """No hub downloads, telemetry or tokenizer threads (set before torch / transformers / ray load)."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a ``torch.distributed`` rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fresh_setup(trainer: Any) -> float:

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -37,7 +36,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
+import torch  # noqa: E402
+from _common import free_port  # noqa: E402  (bench/ is on sys.path when run as a script; stdlib only)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -63,12 +63,6 @@ CASES: dict[str, dict[str, Any]] = {
         overrides=["algorithm.group_size=4", "stack.micro_batch_size=4", "stack.mini_batch_size=null",
                    "rollout.micro_batch_size=8"]),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gib(n: float) -> float:
@@ -214,34 +208,32 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(0)
     work = args.workdir or tempfile.mkdtemp(prefix="unirl_gpu_check_")
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                               "torch": torch.__version__, "checkpoints": {}, "cases": []}
     start = time.perf_counter()
-    folders: dict[str, str] = {}
+    folder: tuple[str, str] | None = None  # (family, path): one family's weights on disk at a time
     for name in args.cases:
         case = CASES[name]
         if time.perf_counter() - start > args.budget_s:
             report["cases"].append({"case": name, "skipped": "time budget"})
             continue
         try:
-            folder = None
-            if not args.tiny:
-                family = case["family"]
-                if family not in folders:
-                    for old in list(folders.values()):  # one family's weights on disk at a time
-                        shutil.rmtree(old, ignore_errors=True)
-                    folders.clear()
-                    folders[family] = os.path.join(work, family)
-                    report["checkpoints"][family] = info = write_checkpoint(family, folders[family])
-                    print(f"[checkpoint] {json.dumps(info)}", flush=True)
-                folder = folders[family]
+            family = case["family"]
+            if not args.tiny and (folder is None or folder[0] != family):
+                if folder is not None:
+                    shutil.rmtree(folder[1], ignore_errors=True)
+                    folder = None
+                path = os.path.join(work, family)
+                report["checkpoints"][family] = info = write_checkpoint(family, path)
+                folder = (family, path)  # only once written in full
+                print(f"[checkpoint] {json.dumps(info)}", flush=True)
             export_dir = os.path.join(work, f"export-{name}")
-            report["cases"].append(run_case(name, case, folder=folder, device=device, steps=args.steps,
-                                            tiny=args.tiny, export_dir=export_dir))
+            report["cases"].append(run_case(name, case, folder=None if args.tiny else folder[1], device=device,
+                                            steps=args.steps, tiny=args.tiny, export_dir=export_dir))
             shutil.rmtree(export_dir, ignore_errors=True)
         except Exception as exc:
             traceback.print_exc()

@@ -36,7 +36,6 @@ import math
 import os
 import platform
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -44,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from _common import cpu_seconds, median, offline_env  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import cpu_seconds, free_port, median, offline_env  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 offline_env()
 
@@ -131,12 +130,6 @@ def build_batch(recipe) -> tuple[list, str]:
 # the stack configurations: StackWorker processes driven over queues
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stack_worker(rank: int, world: int, port: int | None, sections: dict, shard: list, seed: int,
                   threads: int, commands: Any, results: Any) -> None:
     """One rank: build the real StackWorker, then run ``("train", first_step, n)`` blocks until ``stop``."""
@@ -183,7 +176,7 @@ class StackGroup:
         self.name, self.ranks = name, ranks
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(ranks)]
-        port = _free_port() if distributed else None
+        port = free_port() if distributed else None
         size = len(samples) // ranks  # contiguous shards, as the trainer splits requests
         self.procs = [
             ctx.Process(target=_stack_worker, name=f"{name}-rank{r}", daemon=True,

@@ -277,8 +277,13 @@ def run_task(task: str, args, storage: str) -> dict[str, Any]:
             analyse(run, delta)
             runs[side][seed] = run
             order.append(f"{side}:s{seed}")
+            reach = run["steps_to_threshold"]
             print(f"[bench]   {run['samples_per_s']:.1f} samples/s (steps {WARMUP + 1}-{args.steps}), setup "
-                  f"{run['setup_s']:.1f} s, reward {run['start']:.3f} -> {run['final_ma']:.3f} (3-step MA)", flush=True)
+                  f"{run['setup_s']:.1f} s, reward {run['start']:.3f} -> {run['final_ma']:.3f} (3-step MA), "
+                  f"threshold at step {reach if reach else f'> {args.steps}'}", flush=True)
+            if args.json_out:  # each finished run at once: a bench stopped part-way keeps what it measured
+                with open(f"{args.json_out}.runs.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"task": task, "side": side, "seed": seed, "delta": delta, "run": run}) + "\n")
     load = (load_start, loadavg_1min())
     summary = summarise(runs, seeds, args.steps)
     report(task, args, delta, seeds, runs, summary, load)
@@ -333,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"ar threshold: start + delta (default {TASKS['ar']['delta']}, fraction of 'a')")
     ap.add_argument("--delta-diffusion", type=float, default=None,
                     help=f"diffusion threshold: start + delta (default {TASKS['diffusion']['delta']}, brightness)")
-    ap.add_argument("--json-out", default=None, help="also write the JSON result line to this file")
+    ap.add_argument("--json-out", default=None,
+                    help="also write the JSON result line to this file, and each finished run at once to <file>.runs.jsonl")
     ap.add_argument("--keep-storage", action="store_true", help="keep the temporary storage path (MLflow DB)")
     ap.add_argument("--reanalyse", metavar="JSON", default=None,
                     help="run nothing: recompute the thresholds (--delta-*) of an earlier --json-out result and report")

@@ -11,6 +11,7 @@ stream, tiny models built from config, a real MLflow store):
 """
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -161,3 +162,36 @@ def test_gate_wait_is_bounded_and_closable(ray_local):
     with pytest.raises(ValueError, match="must not go back"):
         ray.get(gate.publish.remote(-1), timeout=30)
     ray.kill(gate)
+
+
+class VersionTaggingEngine:
+    """Generates at once, tagging samples with the version asked for (picklable into the stage actor)."""
+
+    def generate(self, requests, *, min_version):
+        from unirl_ray.core.sample import Sample
+
+        return [Sample(sample_id=r["sample_id"], group_id="g", prompt="p", policy_version=min_version) for r in requests]
+
+
+def test_stream_runs_rows_in_step_order_without_deadlock(ray_local):
+    """With max_staleness=0 row j + 1 waits at the gate for what training on row j publishes: a stage
+    that ran rows out of order (Ray Data's default for map actors) would deadlock here."""
+    import ray.cloudpickle
+
+    from unirl_ray.rollout.async_stream import RolloutStream
+    from unirl_ray.runtime.train_group import NAMESPACE
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stage actor cannot import tests/
+    steps = 8
+    requests = {j: [{"sample_id": f"s{j}-{i}", "prompt": "p", "seed": i} for i in range(2)] for j in range(1, steps + 1)}
+    stream = RolloutStream(engine=VersionTaggingEngine(), reward=None, requests=requests, version=0, max_staleness=0,
+                           partial_rollout="finish", timeout_s=30, gate_name="order-test-gate", namespace=NAMESPACE)
+    try:
+        for j in range(1, steps + 1):
+            entry = stream.take(j)  # raises after 30 s instead of hanging
+            assert entry.step == j and [s.policy_version for s in entry.samples] == [j - 1] * 2
+            stream.publish(j)  # "trained" on row j
+    finally:
+        left = stream.close("test over")
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert left == {"steps": 0, "samples": 0}

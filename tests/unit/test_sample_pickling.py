@@ -102,3 +102,31 @@ def test_other_values_and_subclasses_pass_unchanged():
     assert type(back).__name__ == "Custom" and back.kind == "custom" and back.advantage == 1.5
     assert back.extra["nested"][1:] == ["s", 3]
     assert_same(torch.ones(2), back.extra["nested"][0])
+
+
+def test_wire_gives_back_state_dicts_and_payload_trees():
+    from collections import OrderedDict
+
+    from unirl_ray.core.wire import wire
+
+    state = OrderedDict([("b.weight", torch.randn(4, 3)), ("a.bias", torch.randn(4).to(torch.bfloat16))])
+    payload = {"state": state, "checksum": "abc", "ids": (torch.arange(3), [torch.ones(2, dtype=torch.bool), 7]),
+               "samples": [Sample(sample_id="s1-0", group_id="g", prompt="p", parts=[TextPart(log_probs=torch.randn(2))])]}
+    back = pickle.loads(ray.cloudpickle.dumps(wire(payload), protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(back["state"]) is OrderedDict and list(back["state"]) == ["b.weight", "a.bias"]
+    for key, value in state.items():
+        assert_same(value, back["state"][key])
+    assert back["checksum"] == "abc" and isinstance(back["ids"], tuple) and back["ids"][1][1] == 7
+    assert_same(payload["ids"][0], back["ids"][0])
+    assert_same(payload["ids"][1][0], back["ids"][1][0])
+    assert_same(payload["samples"][0].parts[0].log_probs, back["samples"][0].parts[0].log_probs)
+    assert pickle.loads(ray.cloudpickle.dumps(wire(3))) == 3 and pickle.loads(ray.cloudpickle.dumps(wire(None))) is None
+
+
+def test_parameters_and_tensor_subclasses_keep_their_own_pickling():
+    from unirl_ray.core.wire import pack_tree
+
+    param = torch.nn.Parameter(torch.randn(2))
+    assert pack_tree({"p": param})["p"] is param
+    back = pickle.loads(ray.cloudpickle.dumps(DiffusionPart(latents=param)))
+    assert isinstance(back.latents, torch.nn.Parameter) and torch.equal(back.latents, param)

@@ -20,64 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
-
-class _Packed:
-    """A CPU tensor carried as a numpy array across a pickle (see ``Part.__getstate__``)."""
-
-    __slots__ = ("array", "dtype")
-
-    def __init__(self, array: np.ndarray, dtype: str) -> None:
-        self.array, self.dtype = array, dtype
-
-    def __getstate__(self) -> tuple[np.ndarray, str]:
-        return self.array, self.dtype
-
-    def __setstate__(self, state: tuple[np.ndarray, str]) -> None:
-        self.array, self.dtype = state
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _pack(value: Any) -> Any:
-    """A CPU tensor -> ``_Packed`` (numpy; dtypes numpy lacks, e.g. bfloat16, as same-size ints); dicts and
-    lists of them element-wise; anything else as is."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu" or value.is_sparse or value.is_quantized:
-            return value
-        t = value.detach().contiguous()
-        try:
-            array = t.numpy()
-        except TypeError:  # bfloat16, float8...: carry the bits
-            array = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
-        return _Packed(array, str(t.dtype).removeprefix("torch."))
-    if isinstance(value, dict):
-        return {k: _pack(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_pack(v) for v in value]
-    return value
-
-
-def _unpack(value: Any) -> Any:
-    if isinstance(value, _Packed):
-        array = value.array if value.array.flags.writeable else value.array.copy()  # zero-copy buffers are read-only
-        t = torch.from_numpy(array)
-        dtype = getattr(torch, value.dtype)
-        return t if t.dtype == dtype else t.view(dtype)
-    if isinstance(value, dict):
-        return {k: _unpack(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unpack(v) for v in value]
-    return value
+from unirl_ray.core.wire import pack_tree, unpack_tree
 
 
 @dataclass(kw_only=True)
 class Part:
     """One generated segment of a sample. Subclasses say which family produced it.
 
-    Pickling carries CPU tensors as numpy arrays: torch's own tensor pickling writes every storage
-    through ``torch.save`` (slow per small tensor, and a view drags its whole storage along), and
-    samples cross several processes per step (engine -> rollout stream -> driver -> train ranks).
+    Pickling carries CPU tensors as numpy arrays (``unirl_ray.core.wire``): samples cross several
+    processes per step (engine -> rollout stream -> driver -> train ranks).
     """
 
     kind: str = "part"
@@ -90,10 +41,10 @@ class Part:
         return self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: _pack(v) for k, v in self.__dict__.items()}
+        return {k: pack_tree(v) for k, v in self.__dict__.items()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({k: _unpack(v) for k, v in state.items()})
+        self.__dict__.update({k: unpack_tree(v) for k, v in state.items()})
 
     @property
     def is_light(self) -> bool:

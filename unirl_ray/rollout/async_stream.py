@@ -229,9 +229,12 @@ class RolloutStream:
         ds._context = ds.context.copy()  # noqa: SLF001 - this stream's own options, not the process-wide ones
         ds.context.execution_options.preserve_order = True
         ds.context.enable_progress_bars = False
-        # one long-lived stage actor, so batches go through it in step order
+        # One long-lived stage actor that runs the rows in step order. Ray Data lets map actors run their
+        # tasks out of order by default; here that deadlocks: a row for step j + 1 that waits at the gate
+        # for the version that training on step j publishes would block row j behind it.
         self.dataset = ds.map_batches(
             RolloutStage, batch_size=1, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=STAGE_NUM_CPUS,
+            allow_out_of_order_execution=False,
             fn_constructor_kwargs={"engine": engine, "gate": self.gate, "max_staleness": max_staleness,
                                    "partial_rollout": partial_rollout, "timeout_s": timeout_s, "reward": reward},
         )

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from unirl_ray.core.wire import wire
+
 
 def state_checksum(state: dict[str, torch.Tensor]) -> str:
     """Content hash of a state dict (names, dtypes, shapes and bytes), order-independent."""
@@ -92,7 +94,7 @@ class TensorWeightSync:
         t0 = time.perf_counter()
         exported = group.call("export_weights", {})[0]
         state, checksum = exported["state"], exported["checksum"]
-        ref = ray.put(state)
+        ref = ray.put(wire(state))  # replicas get the dict of tensors back, without torch's slow pickling
         return ref, checksum, {
             "weight_sync/export_seconds": time.perf_counter() - t0,
             "weight_sync/bytes": float(state_bytes(state)),

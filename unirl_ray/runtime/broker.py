@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from unirl_ray.core.wire import wire
+
 INLINE_MAX_BYTES = 256 << 10
 """Payloads and results up to this size ride inline in the broker calls; larger ones go through the
 object store (the broker then only holds a reference)."""
@@ -28,7 +30,7 @@ def pack(obj: Any) -> dict[str, Any]:
     Inline bytes save the object-store round trips (a put here, a fetch from this process there)
     that dominate a small command's latency; the broker never deserialises either form.
     """
-    data = ray.cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = ray.cloudpickle.dumps(wire(obj), protocol=pickle.HIGHEST_PROTOCOL)  # tensors as numpy: fast
     return {"_bytes": data} if len(data) <= INLINE_MAX_BYTES else {"_ref": ray.put(data)}
 
 

@@ -171,6 +171,9 @@ class AsyncRLTrainer(RLTrainer):
                 self.published(version)
             except BaseException as exc:  # noqa: BLE001 - raised on the trainer's thread by _finish_publish
                 self._publish_error = exc
+                stream = self.stream
+                if stream is not None:  # the gate stays shut: a trainer waiting for the next batch fails now
+                    stream.cache.fail(RuntimeError(f"publishing weights v{version} failed: {exc}"))
             self._publish_seconds = time.perf_counter() - t0
 
         self._publish_thread = threading.Thread(target=load, name=f"unirl-publish-v{version}", daemon=True)

@@ -20,15 +20,15 @@ Tasks: ``ar`` (``recipes/ar/tiny/char_grpo_async.yaml``: tiny char LM, reward = 
 Every run is a real trainer in one embedded local Ray cluster (``ray.init(num_cpus=8)``, a fresh
 temporary storage path): ``setup()``, then ``--steps`` calls of ``run_step(i)`` (metrics logged to
 MLflow), then ``teardown()``. Runs go one at a time (an async trainer's rollout slab keeps running
-between calls, so sides cannot share the machine in blocks), ordered seed by seed: sync, async-1,
-async-2, sync, ...
+between calls, so sides cannot share the machine in blocks), after one short unmeasured warm-up run
+(``--warmup-runs 0`` skips it), ordered seed by seed: sync, async-1, async-2, sync, ...
 
 Throughput: samples trained / wall time of steps 3..N (the first 2 steps are warm-up; setup and
 teardown are excluded), also the median of the per-step wall times and of ``timing/step`` and the
 async metrics. Steps to threshold: the first step whose 3-step moving average of ``reward/mean``
 reaches start + delta (start = mean of steps 1-3).
 
-    python bench/async_vs_sync.py                                  # both tasks, 2 seeds, ~13 min on 2 busy cores
+    python bench/async_vs_sync.py                                  # both tasks, 2 seeds, ~15 min on 2 cores
     python bench/async_vs_sync.py --task ar --steps 24 --seeds 0,1
     python bench/async_vs_sync.py --task diffusion --steps 16 --delta-diffusion 0.01 --json-out /tmp/async.json
     python bench/async_vs_sync.py --reanalyse /tmp/async.json --delta-diffusion 0.02   # other thresholds, no rerun
@@ -268,6 +268,11 @@ def run_task(task: str, args, storage: str) -> dict[str, Any]:
     order: list[str] = []
     load_start = loadavg_1min()
     t_task = time.perf_counter()
+    if args.warmup_runs:
+        # The first run in a fresh cluster is slower (cold worker pool, first imports and allocations) and
+        # it would always be sync seed 0, a bias for async: pay for it with an unmeasured run first.
+        print(f"[bench] {task}: warm-up run (sync, {WARMUP + 2} steps, not measured) ...", flush=True)
+        run_one(task, "sync", seeds[0], WARMUP + 2, storage, [*args.overrides, f"trainer.run_name=bench-{task}-warmup"])
     for seed in seeds:
         for side in SIDES:
             print(f"[bench] {task}: seed {seed}, {side} ({args.steps} steps) ... (1-min load {loadavg_1min():.1f})",
@@ -341,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None,
                     help="also write the JSON result line to this file, and each finished run at once to <file>.runs.jsonl")
     ap.add_argument("--keep-storage", action="store_true", help="keep the temporary storage path (MLflow DB)")
+    ap.add_argument("--warmup-runs", type=int, choices=(0, 1), default=1,
+                    help="an unmeasured short sync run before each task's runs (default 1; 0: none)")
     ap.add_argument("--reanalyse", metavar="JSON", default=None,
                     help="run nothing: recompute the thresholds (--delta-*) of an earlier --json-out result and report")
     ap.add_argument("overrides", nargs="*", help="extra recipe overrides key=value (applied to every run)")

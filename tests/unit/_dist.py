@@ -120,7 +120,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a torch.distributed rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -140,5 +141,5 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns each rank's return value."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, _free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -3,10 +3,10 @@ LoRA (merged / PEFT adapter), the FSDP2 gather over 2 gloo ranks, and MLflow reg
 
 import json
 import os
-import socket
 
 import pytest
 import torch
+from _dist import free_port
 from safetensors.torch import load_file
 
 from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
@@ -318,12 +318,6 @@ def test_register_exported_model_creates_a_version_of_the_logged_folder(tmp_path
 # ------------------------------------------------------------------------------------- FSDP2, 2 gloo ranks
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_export(rank, port, out_dir):
     """One rank: shard the tiny LM (full / LoRA), take a real optimizer step, export, check on rank 0."""
     import torch.distributed as dist
@@ -379,6 +373,6 @@ def _two_rank_export(rank, port, out_dir):
 def test_fsdp2_two_rank_export_equals_the_unsharded_weights(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_two_rank_export, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_export, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".ok")) == ["full.ok", "lora.ok"]
     assert not [p for p in os.listdir(tmp_path) if "partial" in p]

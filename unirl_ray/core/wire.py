@@ -60,26 +60,23 @@ def unpack_tensor(packed: PackedTensor) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
+def _map_tree(value: Any, leaf: Any) -> Any:
+    """``leaf`` applied to everything inside plain dicts, lists and tuples (rebuilt as the same type)."""
+    if type(value) in _MAPPINGS:
+        return type(value)((k, _map_tree(v, leaf)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_map_tree(v, leaf) for v in value)
+    return leaf(value)
+
+
 def pack_tree(value: Any) -> Any:
     """Tensors (also inside plain dicts, lists and tuples) -> ``PackedTensor``; anything else as is."""
-    if isinstance(value, torch.Tensor):
-        return pack_tensor(value)
-    if type(value) in _MAPPINGS:
-        return type(value)((k, pack_tree(v)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(pack_tree(v) for v in value)
-    return value
+    return _map_tree(value, lambda v: pack_tensor(v) if isinstance(v, torch.Tensor) else v)
 
 
 def unpack_tree(value: Any) -> Any:
     """The inverse of ``pack_tree``."""
-    if isinstance(value, PackedTensor):
-        return unpack_tensor(value)
-    if type(value) in _MAPPINGS:
-        return type(value)((k, unpack_tree(v)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(unpack_tree(v) for v in value)
-    return value
+    return _map_tree(value, lambda v: unpack_tensor(v) if isinstance(v, PackedTensor) else v)
 
 
 class _Wired:

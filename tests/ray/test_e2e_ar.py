@@ -122,3 +122,15 @@ def kill_engine_replica(engine):
     import signal
 
     os.kill(engine.status()[0]["replica"], signal.SIGKILL)
+
+
+def test_a_failed_worker_start_leaves_no_serve_app(ray_local, tmp_path):
+    """The separate engine deploys while the workers start; when the start fails, teardown waits for
+    that deploy and removes the engine and reward apps."""
+    from ray import serve
+
+    trainer = make(tmp_path, "char_grpo_engine.yaml", "failed-start", "trainer.num_steps=2", "+ray.start_timeout_s=0.5")
+    with pytest.raises(TimeoutError, match="train workers started within"):
+        trainer.fit()
+    apps = serve.status().applications
+    assert not [name for name in apps if name.startswith("failed-start-")], sorted(apps)

@@ -27,8 +27,10 @@ Checkpoints and progress lines are ``BaseTrainer.run_steps``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +164,7 @@ class RLTrainer(BaseTrainer):
 
         self.reward = RewardClient.deploy(self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
         self.engine = None
+        self._engine_deploy: Future | None = None
         self._stage_metrics: dict[str, float] = {}
         if self.dedicated is not None:
             sections = {
@@ -170,11 +173,26 @@ class RLTrainer(BaseTrainer):
                 "lora_cfg": self._engine_lora_section(),
                 "trainable_attr": self.recipe.backend.trainable_attr,
             }
-            self.engine = DedicatedEngine.deploy(
-                self.dedicated, app_name=f"{self.run_cfg.run_name}-rollout", sections=sections, seed=self.run_cfg.seed
-            )
-            if self.engine.colocated:  # give the devices to the train workers that start next
-                self.engine.sleep()
+            deploy = functools.partial(DedicatedEngine.deploy, self.dedicated, app_name=self._engine_app_name(),
+                                       sections=sections, seed=self.run_cfg.seed)
+            if self.dedicated.placement == "colocated":
+                self.engine = deploy()
+                self.engine.sleep()  # give the devices to the train workers that start next
+            else:  # a separate engine builds its model while the train workers start; start_workers waits
+                pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-engine-deploy")
+                self._engine_deploy = pool.submit(deploy)
+                pool.shutdown(wait=False)
+
+    def _engine_app_name(self) -> str:
+        return f"{self.run_cfg.run_name}-rollout"
+
+    def _await_engine(self) -> DedicatedEngine | None:
+        """The engine, once its background deploy is done (its error raised here); bounded by the
+        deploy's own timeout, which deletes an app that never became ready."""
+        future, self._engine_deploy = getattr(self, "_engine_deploy", None), None
+        if future is not None:
+            self.engine = future.result(timeout=self.dedicated.timeout_s + 120)
+        return getattr(self, "engine", None)
 
     def _engine_lora_section(self) -> dict[str, Any] | None:
         """The adapter structure the engine must mirror: the trained LoRA (EmaLora: its default adapter)."""
@@ -190,11 +208,21 @@ class RLTrainer(BaseTrainer):
             self.worker_sections = tuple(s for s in self.worker_sections if s != "rollout")
         announced = super().start_workers()
         self.policy_version = int(announced.get("policy_version", 0))
-        if self.engine is not None:  # the engine starts from the trainer's (possibly restored) weights
+        if self._await_engine() is not None:  # the engine starts from the trainer's (possibly restored) weights
             self.sync.push(self.group, self.engine, self.policy_version)
         return announced
 
     def stop_services(self) -> None:
+        try:
+            self._await_engine()  # a deploy still running when setup failed: wait, then shut it down below
+        except Exception as exc:  # noqa: BLE001 - setup already failed; remove what the deploy left
+            log.warning("the rollout engine's deploy failed: %s", exc)
+            from ray import serve
+
+            try:
+                serve.delete(self._engine_app_name())
+            except Exception:  # noqa: BLE001 - best effort
+                pass
         for service in (getattr(self, "engine", None), getattr(self, "reward", None)):
             if service is not None:
                 service.shutdown()

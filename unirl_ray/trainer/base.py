@@ -389,7 +389,9 @@ class BaseTrainer(ABC):
         except BaseException as exc:  # noqa: BLE001 - raised after the workers stopped and the run ended
             errors.insert(0, exc)
         if stopper is not None:
-            stopper.join()
+            stopper.join(timeout=300.0)  # TrainGroup.stop's own waits add up to ~3 min at most
+            if stopper.is_alive():
+                log.warning("the train workers did not stop within 300s; ending the run anyway")
         if self.tracker.run_id:
             final = status if not errors else "FAILED"
             self.tracker.end(final)

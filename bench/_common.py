@@ -1,5 +1,6 @@
-"""Helpers the benchmarks share: offline environment, timing statistics, CPU accounting, report plumbing
-(number cells, plain-text tables, the JSON result line)."""
+"""Helpers the benchmarks share: offline environment, timing statistics, CPU accounting, driving a real
+trainer step by step in interleaved blocks, report plumbing (number cells, plain-text tables, the JSON
+result line)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -77,6 +79,242 @@ def cpu_seconds() -> tuple[float, float]:
         except psutil.Error:
             pass
     return own.user + own.system, children
+
+
+# ---------------------------------------------------------------------------------------------
+# driving a real trainer step by step, and sides in interleaved blocks
+
+
+StepRecord = Callable[[int, dict[str, Any], dict[str, float]], dict[str, Any]]
+"""``(step, metrics, times) -> record``: what a ``DrivenTrainer`` keeps of one step (``times``: see there)."""
+
+
+def pick(keys: tuple[str, ...]) -> StepRecord:
+    """A ``StepRecord`` keeping ``keys`` of the metrics as floats (NaN for a key the step did not report)."""
+    return lambda step, metrics, times: {k: float(metrics.get(k, float("nan"))) for k in keys}
+
+
+class DrivenTrainer:
+    """A real trainer driven step by step, in blocks, as its ``run_steps`` drives it.
+
+    ``setup()``: ``fresh_setup`` (seconds). ``run_block(n)``: the next ``n`` steps, each ``run_step(i)``
+    (with ``per_call``: ``train_steps(first, count)``, up to ``per_call`` steps per command, the SFT
+    trainer's way), its metrics logged to the trainer's tracker and, with ``checkpoint_steps`` (the
+    run's step budget), a checkpoint every ``run_cfg.checkpoint_every`` steps and at that last step;
+    ``steps[i]`` is then ``on_step(i, metrics, times)`` (default: the metrics), where ``times`` holds
+    ``log_s`` (the tracker call), ``checkpoint_s`` (NaN without one), ``wall_s`` (since the end of
+    the previous step of the block, or its start) and ``end_time`` (``time.time()`` at the step's
+    end); returns the block's wall seconds. ``close()``: ``teardown(status)``, status ``FAILED``
+    unless ``finish()`` was called (with ``quiet_teardown``, its "MLflow run ..." lines are hidden);
+    sets ``teardown_s``.
+    """
+
+    def __init__(self, trainer: Any, *, on_step: StepRecord | None = None, checkpoint_steps: int | None = None,
+                 per_call: int | None = None, quiet_teardown: bool = False) -> None:
+        self.trainer = trainer
+        self.on_step = on_step or (lambda step, metrics, times: dict(metrics))
+        self.checkpoint_steps = checkpoint_steps
+        self.per_call = per_call
+        self.quiet_teardown = quiet_teardown
+        self.done = 0
+        self.status = "FAILED"
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.teardown_s = float("nan")
+
+    def setup(self) -> float:
+        return fresh_setup(self.trainer)
+
+    def _metrics(self, first: int, n: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        if self.per_call is None:
+            for i in range(first, first + n):
+                yield i, self.trainer.run_step(i)
+            return
+        done = 0
+        while done < n:
+            count = min(n - done, self.per_call)
+            for j, metrics in enumerate(self.trainer.train_steps(first + done, count)):
+                yield first + done + j, metrics
+            done += count
+
+    def run_block(self, n: int) -> float:
+        tr = self.trainer
+        t0 = t_prev = time.perf_counter()
+        for i, metrics in self._metrics(self.done + 1, n):
+            t_log = time.perf_counter()
+            tr.tracker.log_metrics(metrics, step=i)
+            log_s = time.perf_counter() - t_log
+            checkpoint_s = float("nan")
+            last = self.checkpoint_steps
+            if last is not None and (i % tr.run_cfg.checkpoint_every == 0 or i == last):
+                t_ckpt = time.perf_counter()
+                tr.save_checkpoint(i)
+                checkpoint_s = time.perf_counter() - t_ckpt
+            now = time.perf_counter()
+            times = {"log_s": log_s, "checkpoint_s": checkpoint_s, "wall_s": now - t_prev, "end_time": time.time()}
+            t_prev = now
+            self.steps[i] = self.on_step(i, metrics, times)
+        self.done += n
+        return time.perf_counter() - t0
+
+    def series(self, key: str, steps: list[int]) -> list[Any]:
+        """``steps[s][key]`` for each of ``steps``."""
+        return [self.steps[s][key] for s in steps]
+
+    def prompts_of(self, step: int) -> list[str] | None:
+        """The prompts the trainer drew for ``step`` (an RL trainer's ``prompt_log``), None if none."""
+        for s, prompts in self.trainer.prompt_log:
+            if s == step:
+                return prompts
+        return None
+
+    def finish(self) -> None:
+        """Every planned step ran: ``close()`` will end the run as FINISHED."""
+        self.status = "FINISHED"
+
+    def close(self) -> None:
+        t0 = time.perf_counter()
+        quiet = contextlib.redirect_stdout(io.StringIO()) if self.quiet_teardown else contextlib.nullcontext()
+        with quiet:
+            self.trainer.teardown(self.status)
+        self.teardown_s = time.perf_counter() - t0
+
+
+def close_all(runners: dict[str, Any]) -> None:
+    """``close()`` every runner in the order given; a failed one is printed and the others still close."""
+    for name, runner in runners.items():
+        try:
+            runner.close()
+        except Exception as exc:  # noqa: BLE001 - keep tearing down the others
+            print(f"[bench] teardown of {name} failed: {exc}", flush=True)
+
+
+class Interleave:
+    """Sides run in interleaved blocks. ``run(side, n, block, measured=...)`` calls ``block(n)`` (which
+    runs ``n`` steps of the side and returns their wall seconds) and records the order (``order``:
+    ``"A4"``-style labels) and, for a measured block, its wall seconds per step (``walls[side]``) and
+    the (this process, its child processes) CPU seconds per step (``cpu[side]``, see ``cpu_seconds``)."""
+
+    def __init__(self, sides) -> None:
+        self.order: list[str] = []
+        self.walls: dict[str, list[float]] = {s: [] for s in sides}
+        self.cpu: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
+
+    def run(self, side: str, n: int, block: Callable[[int], float], *, measured: bool) -> float:
+        c0 = cpu_seconds()
+        wall = block(n)
+        c1 = cpu_seconds()
+        self.order.append(f"{side}{n}")
+        if measured:
+            self.walls[side].append(wall / n)
+            self.cpu[side].append(((c1[0] - c0[0]) / n, (c1[1] - c0[1]) / n))
+        return wall
+
+    def cpu_median(self, side: str) -> tuple[float, float]:
+        """Block medians of the (this process, child processes) CPU seconds per step."""
+        return median([c[0] for c in self.cpu[side]]), median([c[1] for c in self.cpu[side]])
+
+
+def trl_available() -> tuple[bool, str]:
+    """(whether TRL and datasets import, a note for the report: TRL's version or how to install it)."""
+    try:
+        import datasets  # noqa: F401
+        import trl
+    except ImportError as exc:
+        return False, f"TRL is not installed ({exc}); `pip install -e .[bench]` (trl>=1.16,<2) adds it"
+    return True, f"trl {trl.__version__}"
+
+
+class StopGated(Exception):
+    """Raised inside a gated training loop (by ``StepGate.on_step_begin``) to end it after the last block."""
+
+
+class StepGate:
+    """Holds a training loop running in a thread (TRL's ``train()``) at the start of every step until the
+    driver releases it. Mix it into a ``transformers.TrainerCallback`` (``class Gate(StepGate,
+    TrainerCallback)``): ``on_step_begin`` is the hook. ``begin_t[k]``: when step ``k`` reached the gate;
+    ``release_t[k]``: when it went on (``time.perf_counter``)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.allowed = self.begun = 0
+        self.stop = False
+        self.begin_t: dict[int, float] = {}
+        self.release_t: dict[int, float] = {}
+
+    def on_step_begin(self, args: Any = None, state: Any = None, control: Any = None, **kwargs: Any) -> None:
+        now = time.perf_counter()
+        with self.cv:
+            self.begun += 1
+            k = self.begun
+            self.begin_t[k] = now
+            self.cv.notify_all()
+            while self.allowed < k and not self.stop:
+                self.cv.wait()
+            if self.stop:
+                raise StopGated()
+        self.release_t[k] = time.perf_counter()
+
+
+class GatedLoop:
+    """A blocking training loop ``train()``, gated by ``gate``, in a daemon thread named ``name``.
+
+    ``start()`` runs it up to the gate of its first step (seconds taken); ``release(n)`` lets ``n`` more
+    steps run and waits until the loop holds at the next one (seconds taken); ``step_s(k)``: step ``k``
+    from its release to the start of step ``k + 1`` (one whole iteration of the loop); ``close()`` ends
+    the loop at its gate. An error in the loop is raised in the driver by the next wait.
+    """
+
+    def __init__(self, train: Callable[[], Any], gate: StepGate, name: str) -> None:
+        self.train, self.gate, self.name = train, gate, name
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        try:
+            self.train()
+        except StopGated:
+            pass
+        except BaseException as exc:  # surfaced in the driver by _wait
+            self.error = exc
+        finally:
+            with self.gate.cv:
+                self.gate.cv.notify_all()
+
+    def _wait(self, k: int, timeout_s: float = 1800.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.gate.cv:
+            while self.gate.begun < k:
+                if self.error is not None or (self.thread is not None and not self.thread.is_alive()):
+                    raise RuntimeError(f"{self.name}: train() ended before step {k}") from self.error
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: train() did not reach step {k} within {timeout_s:.0f}s")
+                self.gate.cv.wait(timeout=1.0)
+
+    def start(self) -> float:
+        t0 = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self.thread.start()
+        self._wait(1)
+        return time.perf_counter() - t0
+
+    def release(self, n: int) -> float:
+        t0 = time.perf_counter()
+        with self.gate.cv:
+            self.gate.allowed += n
+            target = self.gate.allowed + 1
+            self.gate.cv.notify_all()
+        self._wait(target)
+        return time.perf_counter() - t0
+
+    def step_s(self, k: int) -> float:
+        return self.gate.begin_t[k + 1] - self.gate.release_t[k]
+
+    def close(self) -> None:
+        with self.gate.cv:
+            self.gate.stop = True
+            self.gate.cv.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout=60)
 
 
 # ---------------------------------------------------------------------------------------------

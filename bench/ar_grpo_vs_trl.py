@@ -39,16 +39,15 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    DrivenTrainer, GatedLoop, Interleave, StepGate, close_all, trl_available,
     shutdown_ray,
-    fresh_setup,
-    cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
+    emit_json, fmt_num, median, offline_env, print_table,
 )
 
 offline_env()
@@ -179,59 +178,27 @@ def check_same_task(direct, engine) -> None:
 # (A), (B) the trainer, driven block by block
 
 
-class TrainerSide:
+def trainer_side(recipe, total_steps: int) -> DrivenTrainer:
     """A real ``ARTrainer``: ``setup()``, ``run_step(i)`` per step (logged to MLflow and checkpointed
-    as ``run_steps`` does), ``teardown()``."""
+    as ``run_steps`` does), ``teardown()``; each step's record as the other sides keep it."""
+    from unirl_ray.trainer.ar import ARTrainer
 
-    def __init__(self, recipe, total_steps: int) -> None:
-        from unirl_ray.trainer.ar import ARTrainer
+    return DrivenTrainer(ARTrainer(recipe), on_step=_trainer_record, checkpoint_steps=total_steps)
 
-        self.trainer = ARTrainer(recipe)
-        self.total_steps = total_steps
-        self.done = 0
-        self.status = "FAILED"
-        self.steps: dict[int, dict[str, float]] = {}
 
-    def setup(self) -> float:
-        return fresh_setup(self.trainer)
-
-    def run_block(self, n: int) -> float:
-        """Run the next ``n`` steps; returns the block's wall time (MLflow logging and checkpoints included)."""
-        tr = self.trainer
-        t0 = time.perf_counter()
-        for i in range(self.done + 1, self.done + n + 1):
-            m = tr.run_step(i)
-            t_log = time.perf_counter()
-            tr.tracker.log_metrics(m, step=i)
-            t_log = time.perf_counter() - t_log
-            t_ckpt = float("nan")
-            if i % tr.run_cfg.checkpoint_every == 0 or i == self.total_steps:
-                t_ckpt = time.perf_counter()
-                tr.save_checkpoint(i)
-                t_ckpt = time.perf_counter() - t_ckpt
-            self.steps[i] = {
-                "log": t_log,
-                "checkpoint": t_ckpt,
-                "time": float(m["timing/step"]),
-                "rollout": float(m["timing/rollout"]),
-                "reward": float(m.get("timing/reward", float("nan"))),
-                "train": float(m["timing/train"]),
-                "train_worker": float(m.get("timing/train_step", float("nan"))),
-                "sync": float(m.get("timing/weight_sync", float("nan"))),
-                "reward_mean": float(m["reward/mean"]),
-                "logp_gap": float(m.get("rollout/logp_gap", float("nan"))),
-            }
-        self.done += n
-        return time.perf_counter() - t0
-
-    def prompts_of(self, step: int) -> list[str] | None:
-        for s, prompts in self.trainer.prompt_log:
-            if s == step:
-                return prompts
-        return None
-
-    def close(self) -> None:
-        self.trainer.teardown(self.status)
+def _trainer_record(step: int, m: dict, times: dict) -> dict[str, float]:
+    return {
+        "log": times["log_s"],
+        "checkpoint": times["checkpoint_s"],
+        "time": float(m["timing/step"]),
+        "rollout": float(m["timing/rollout"]),
+        "reward": float(m.get("timing/reward", float("nan"))),
+        "train": float(m["timing/train"]),
+        "train_worker": float(m.get("timing/train_step", float("nan"))),
+        "sync": float(m.get("timing/weight_sync", float("nan"))),
+        "reward_mean": float(m["reward/mean"]),
+        "logp_gap": float(m.get("rollout/logp_gap", float("nan"))),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,19 +298,6 @@ class BareLoop:
 # (C) TRL's GRPOTrainer, run in a thread and paused between blocks
 
 
-class _StopTRL(Exception):
-    """Raised inside TRL's loop (from the gate callback) to end its ``train()`` after the last block."""
-
-
-def trl_available() -> tuple[bool, str]:
-    try:
-        import trl  # noqa: F401
-        import datasets  # noqa: F401
-    except ImportError as exc:
-        return False, f"TRL is not installed ({exc}); `pip install -e .[bench]` (trl>=1.16,<2) adds it"
-    return True, f"trl {trl.__version__}"
-
-
 class TRLSide:
     """TRL ``GRPOTrainer`` on a fresh copy of the same tiny model; ``train()`` runs in a thread.
 
@@ -428,27 +382,8 @@ class TRLSide:
         if task.num_samples != task.mini:
             raise SystemExit("the TRL side matches one optimizer step per rollout batch (mini-batch = all samples)")
 
-        class Gate(TrainerCallback):
-            def __init__(self) -> None:
-                self.cv = threading.Condition()
-                self.allowed = 0
-                self.begun = 0
-                self.stop = False
-                self.begin_t: dict[int, float] = {}
-                self.release_t: dict[int, float] = {}
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                now = time.perf_counter()
-                with self.cv:
-                    self.begun += 1
-                    k = self.begun
-                    self.begin_t[k] = now
-                    self.cv.notify_all()
-                    while self.allowed < k and not self.stop:
-                        self.cv.wait()
-                    if self.stop:
-                        raise _StopTRL()
-                self.release_t[k] = time.perf_counter()
+        class Gate(StepGate, TrainerCallback):
+            pass
 
         self.gate = Gate()
         self.trainer = GRPOTrainer(
@@ -470,50 +405,18 @@ class TRLSide:
             return out
 
         self.trainer._generate_and_score_completions = timed
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
+        self.loop = GatedLoop(self.trainer.train, self.gate, "trl-grpo")
         self.done = 0
         self.steps: dict[int, dict[str, float]] = {}
 
-    def _train(self) -> None:
-        try:
-            self.trainer.train()
-        except _StopTRL:
-            pass
-        except BaseException as exc:  # surfaced in the driver by _wait_at_gate
-            self.error = exc
-        finally:
-            with self.gate.cv:
-                self.gate.cv.notify_all()
-
-    def _wait_at_gate(self, k: int, timeout_s: float = 1800.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        with self.gate.cv:
-            while self.gate.begun < k:
-                if self.error is not None or (self.thread is not None and not self.thread.is_alive()):
-                    raise RuntimeError(f"TRL's train() ended before step {k}") from self.error
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"TRL did not reach step {k} within {timeout_s:.0f}s")
-                self.gate.cv.wait(timeout=1.0)
-
     def setup(self) -> float:
-        t0 = time.perf_counter()
-        self.thread = threading.Thread(target=self._train, name="trl-grpo", daemon=True)
-        self.thread.start()
-        self._wait_at_gate(1)
-        return time.perf_counter() - t0
+        return self.loop.start()
 
     def run_block(self, n: int) -> float:
-        t0 = time.perf_counter()
-        with self.gate.cv:
-            self.gate.allowed += n
-            self.gate.cv.notify_all()
-        self._wait_at_gate(self.done + n + 1)
-        wall = time.perf_counter() - t0
-        g = self.gate
+        wall = self.loop.release(n)
         for k in range(self.done + 1, self.done + n + 1):
             gen = self.gen_calls[k - 1] if k - 1 < len(self.gen_calls) else float("nan")
-            elapsed = g.begin_t[k + 1] - g.release_t[k]
+            elapsed = self.loop.step_s(k)
             self.steps[k] = {
                 "time": elapsed,
                 "rollout": gen,  # TRL's _generate_and_score_completions: generation + reward + advantages
@@ -530,11 +433,7 @@ class TRLSide:
         return self.reward_calls[step - 1]["prompts"] if step - 1 < len(self.reward_calls) else None
 
     def close(self) -> None:
-        with self.gate.cv:
-            self.gate.stop = True
-            self.gate.cv.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout=60)
+        self.loop.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,7 +455,8 @@ def first_reaching(curve: dict[int, float], threshold: float) -> int | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str, list[str]]:
+    """The arguments, the sides to run (C dropped when TRL is missing) and notes for the report."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--direct-recipe", default=str(DEFAULT_DIRECT), help="AR recipe with direct rollout (side A; also the task of C and D)")
     ap.add_argument("--engine-recipe", default=str(DEFAULT_ENGINE), help="AR recipe with a dedicated engine (side B)")
@@ -578,7 +478,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--sides takes letters from ABCD")
     if args.warmup < 1 or args.blocks < 1 or args.block_steps < 1:
         ap.error("--warmup, --blocks and --block-steps must be >= 1")
-    logging.basicConfig(level=os.environ.get("UNIRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     notes: list[str] = []
     if "C" in sides:
         ok, why = trl_available()
@@ -588,12 +487,12 @@ def main(argv: list[str] | None = None) -> int:
             sides = sides.replace("C", "")
         else:
             notes.append(why)
+    return args, sides, notes
 
+
+def load_recipes(args, storage: str, total: int) -> tuple[Any, Any]:
+    """The direct and engine recipes of this run."""
     from unirl_ray.config.recipe import load_recipe
-
-    t_all = time.perf_counter()
-    storage = tempfile.mkdtemp(prefix="unirl_bench_ar_vs_trl_")
-    total = args.warmup + args.blocks * args.block_steps
 
     def recipe_for(path: str, name: str, extra: list[str]):
         return load_recipe(path, [
@@ -605,89 +504,69 @@ def main(argv: list[str] | None = None) -> int:
             *extra,
         ])
 
-    direct = recipe_for(args.direct_recipe, "ar-direct", args.direct_override)
-    engine = recipe_for(args.engine_recipe, "ar-engine", [])
-    if "B" in sides:
-        check_same_task(direct, engine)
-    task = Task(direct)
-    if args.bare_threads:
-        torch.set_num_threads(args.bare_threads)
+    return recipe_for(args.direct_recipe, "ar-direct", args.direct_override), recipe_for(args.engine_recipe, "ar-engine", [])
 
-    runners: dict[str, Any] = {}
-    setup_s: dict[str, float] = {}
-    walls: dict[str, list[float]] = {s: [] for s in sides}
-    cpu: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
-    schedule_log: list[str] = []
-    load_start = os.getloadavg()[0]
-    try:
-        for side, recipe in (("A", direct), ("B", engine)):
-            if side in sides:
-                print(f"[bench] setting up {side} ({SIDE_NAMES[side]}) ...", flush=True)
-                runners[side] = TrainerSide(recipe, total)
-                setup_s[side] = runners[side].setup()
-                print(f"[bench] {side} ready in {setup_s[side]:.1f}s", flush=True)
-        if not ("A" in sides or "B" in sides):  # the prompt source reads with Ray Data: start Ray as the trainer would
-            from unirl_ray.config.recipe import instantiate
-            from unirl_ray.runtime.cluster import ensure_ray
 
-            ensure_ray(instantiate(direct.ray))
-        schedule = prompt_schedule(direct, total + 2)
-        if "C" in sides:
-            print(f"[bench] setting up C ({SIDE_NAMES['C']}) ...", flush=True)
-            t0 = time.perf_counter()
-            runners["C"] = TRLSide(direct, task, schedule, total, os.path.join(storage, "trl"))
-            setup_s["C"] = time.perf_counter() - t0 + runners["C"].setup()
-            print(f"[bench] C ready in {setup_s['C']:.1f}s", flush=True)
-        if "D" in sides:
-            t0 = time.perf_counter()
-            runners["D"] = BareLoop(direct, task, schedule)
-            setup_s["D"] = time.perf_counter() - t0
+def start_sides(sides: str, direct, engine, task: Task, total: int, storage: str,
+                runners: dict[str, Any], setup_s: dict[str, float]) -> list[list[str]]:
+    """Set up every side (into ``runners`` and ``setup_s``, so that what started is torn down on a
+    failure); returns the prompt schedule of steps 1..total+2."""
+    for side, recipe in (("A", direct), ("B", engine)):
+        if side in sides:
+            print(f"[bench] setting up {side} ({SIDE_NAMES[side]}) ...", flush=True)
+            runners[side] = trainer_side(recipe, total)
+            setup_s[side] = runners[side].setup()
+            print(f"[bench] {side} ready in {setup_s[side]:.1f}s", flush=True)
+    if not ("A" in sides or "B" in sides):  # the prompt source reads with Ray Data: start Ray as the trainer would
+        from unirl_ray.config.recipe import instantiate
+        from unirl_ray.runtime.cluster import ensure_ray
 
-        def run(side: str, n: int, measured: bool) -> None:
-            c0 = cpu_seconds()
-            wall = runners[side].run_block(n)
-            c1 = cpu_seconds()
-            schedule_log.append(f"{side}{n}")
-            if measured:
-                walls[side].append(wall / n)
-                cpu[side].append(((c1[0] - c0[0]) / n, (c1[1] - c0[1]) / n))
+        ensure_ray(instantiate(direct.ray))
+    schedule = prompt_schedule(direct, total + 2)
+    if "C" in sides:
+        print(f"[bench] setting up C ({SIDE_NAMES['C']}) ...", flush=True)
+        t0 = time.perf_counter()
+        runners["C"] = TRLSide(direct, task, schedule, total, os.path.join(storage, "trl"))
+        setup_s["C"] = time.perf_counter() - t0 + runners["C"].setup()
+        print(f"[bench] C ready in {setup_s['C']:.1f}s", flush=True)
+    if "D" in sides:
+        t0 = time.perf_counter()
+        runners["D"] = BareLoop(direct, task, schedule)
+        setup_s["D"] = time.perf_counter() - t0
+    return schedule
 
-        print(f"[bench] warm-up: {args.warmup} steps of each of {', '.join(sides)}", flush=True)
+
+def run_blocks(args, sides: str, runners: dict[str, Any]) -> Interleave:
+    """Warm-up, then ``--blocks`` rounds of A, B, C, D (the sides that run), ``--block-steps`` steps each."""
+    blocks = Interleave(sides)
+    print(f"[bench] warm-up: {args.warmup} steps of each of {', '.join(sides)}", flush=True)
+    for side in sides:
+        blocks.run(side, args.warmup, runners[side].run_block, measured=False)
+    for block in range(args.blocks):
+        print(f"[bench] block {block + 1}/{args.blocks}: {', '.join(sides)}, {args.block_steps} steps each", flush=True)
         for side in sides:
-            run(side, args.warmup, False)
-        for block in range(args.blocks):
-            print(f"[bench] block {block + 1}/{args.blocks}: {', '.join(sides)}, {args.block_steps} steps each", flush=True)
-            for side in sides:
-                run(side, args.block_steps, True)
-        for side in ("A", "B"):
-            if side in runners:
-                runners[side].status = "FINISHED"
-    finally:
-        for side in ("C", "B", "A"):
-            if side in runners:
-                try:
-                    runners[side].close()
-                except Exception as exc:  # noqa: BLE001 - keep tearing down the others
-                    print(f"[bench] teardown of {side} failed: {exc}", flush=True)
-        shutdown_ray()
-        if not args.keep_storage:
-            shutil.rmtree(storage, ignore_errors=True)
-    load_end = os.getloadavg()[0]
+            blocks.run(side, args.block_steps, runners[side].run_block, measured=True)
+    for side in ("A", "B"):
+        if side in runners:
+            runners[side].finish()
+    return blocks
 
-    # ---------------------------------------------------------------- statistics
-    measured = list(range(args.warmup + 1, total + 1))
+
+def side_stats(args, sides: str, runners: dict[str, Any], blocks: Interleave, setup_s: dict[str, float],
+               measured: list[int]) -> dict[str, dict[str, Any]]:
+    """Per side: step and stage medians, wall and CPU per step, block medians, the reward curve."""
     stats: dict[str, dict[str, Any]] = {}
     for side in sides:
         steps = runners[side].steps
         series = {k: [steps[s][k] for s in measured] for k in ("time", *STAGES)}
         curve = {s: steps[s]["reward_mean"] for s in sorted(steps)}
+        cpu_main, cpu_ray = blocks.cpu_median(side)
         stats[side] = {
             "step_median_s": median(series["time"]),
             "step_min_s": min(series["time"]),
             "stages_median_s": {k: median(series[k]) for k in STAGES},
-            "wall_per_step_median_s": median(walls[side]),
-            "cpu_s_per_step_median": {"main_process": median([c[0] for c in cpu[side]]),
-                                      "ray_processes": median([c[1] for c in cpu[side]])},
+            "wall_per_step_median_s": median(blocks.walls[side]),
+            "cpu_s_per_step_median": {"main_process": cpu_main, "ray_processes": cpu_ray},
             "block_medians_s": [median([steps[s]["time"] for s in measured[b * args.block_steps:(b + 1) * args.block_steps]])
                                 for b in range(args.blocks)],
             "steps_to_threshold": first_reaching(curve, args.threshold),
@@ -703,22 +582,10 @@ def main(argv: list[str] | None = None) -> int:
             stats[side]["mlflow_log_median_s"] = median([steps[s]["log"] for s in measured])
             stats[side]["train_worker_compute_median_s"] = median([steps[s]["train_worker"] for s in measured])
             stats[side]["checkpoint_s"] = ckpts
-    # prompts: every side must have trained on the same prompts, step by step
-    prompt_mismatch = {}
-    for side in sides:
-        if side == "D":
-            continue
-        bad = [s for s in range(1, total + 1) if runners[side].prompts_of(s) != schedule[s - 1]]
-        if bad:
-            prompt_mismatch[side] = bad[:5]
+    return stats
 
-    # ---------------------------------------------------------------- report
-    print()
-    print("GRPO on the tiny demo causal LM (char tokenizer), reward: "
-          + " + ".join(f"{w:g} x {n}{kw}" for n, _, w, kw in task.rewards))
-    print(f"  {task.describe()}; A/B: {task.workers} Ray Train workers; C/D: torch threads {torch.get_num_threads()}")
-    print(f"  warm-up {args.warmup} steps each, then {args.blocks} blocks x {args.block_steps} steps, order "
-          f"{' '.join(schedule_log)}; medians over {len(measured)} measured steps per side")
+
+def print_table_of_sides(sides: str, stats: dict[str, dict[str, Any]], total: int, threshold: float) -> None:
     d = stats.get("D", {}).get("step_median_s")
     rows = []
     for side in sides:
@@ -738,34 +605,42 @@ def main(argv: list[str] | None = None) -> int:
     print("  step = the side's own per-step timer (A/B: timing/step; C: one whole TRL loop iteration; D: the whole step),"
           " seconds, median; wall = block wall time / steps (A/B: + MLflow logging and checkpoints); C's rollout ="
           " generation + reward + advantages; CPU-s = CPU seconds per step of this process and the Ray processes;"
-          f" reach = first step with batch-mean reward >= {args.threshold:g} (budget {total} steps)")
-    if d:
-        for side in sides:
-            if side == "D":
-                continue
-            st = stats[side]
-            pairs = [a / b for a, b in zip(st["block_medians_s"], stats["D"]["block_medians_s"])]
-            print(f"  {side} - D = {(st['step_median_s'] - d) * 1e3:.0f} ms/step (wall: "
-                  f"{(st['wall_per_step_median_s'] - stats['D']['wall_per_step_median_s']) * 1e3:.0f} ms), "
-                  f"{side}/D = {st['step_median_s'] / d:.2f}x; per block {' '.join(f'{r:.2f}' for r in pairs)}; "
-                  f"fastest steps {side}/D {st['step_min_s'] / stats['D']['step_min_s']:.2f}x")
-        for side in sides:
-            if side in "AB":
-                st, sd = stats[side]["stages_median_s"], stats["D"]["stages_median_s"]
-                other = stats[side]["step_median_s"] - sum(v for v in st.values() if np.isfinite(v))
-                other_d = d - sum(v for v in sd.values() if np.isfinite(v))
-                print(f"  {side} - D by stage (medians, ms): rollout {(st['rollout'] - sd['rollout']) * 1e3:+.0f}, "
-                      f"reward {(st['reward'] - sd['reward']) * 1e3:+.0f}, train {(st['train'] - sd['train']) * 1e3:+.0f} "
-                      f"(worker compute, timing/train_step on rank 0: {stats[side]['train_worker_compute_median_s'] * 1e3:.0f} "
-                      f"vs D's train {sd['train'] * 1e3:.0f})"
-                      + (f", weight sync {st['sync'] * 1e3:+.0f}" if np.isfinite(st["sync"]) else "")
-                      + f", rest {(other - other_d) * 1e3:+.0f}; outside timing/step: MLflow log_metrics "
-                      f"{stats[side]['mlflow_log_median_s'] * 1e3:.0f} ms/step, checkpoints "
-                      + (", ".join(f"{c:.2f}" for c in stats[side]["checkpoint_s"]) + " s" if stats[side]["checkpoint_s"] else "none")
-                      + f" (every {runners[side].trainer.run_cfg.checkpoint_every} steps)")
-        ray_idle = stats["D"]["cpu_s_per_step_median"]["ray_processes"]
-        if np.isfinite(ray_idle):
-            print(f"  while D ran, the idle Ray processes used {ray_idle:.3f} CPU-s per D step")
+          f" reach = first step with batch-mean reward >= {threshold:g} (budget {total} steps)")
+
+
+def print_vs_bare(sides: str, stats: dict[str, dict[str, Any]], runners: dict[str, Any]) -> None:
+    """Each side's overhead over D: in total, per block, on the fastest steps, and stage by stage."""
+    d = stats["D"]["step_median_s"]
+    for side in sides:
+        if side == "D":
+            continue
+        st = stats[side]
+        pairs = [a / b for a, b in zip(st["block_medians_s"], stats["D"]["block_medians_s"])]
+        print(f"  {side} - D = {(st['step_median_s'] - d) * 1e3:.0f} ms/step (wall: "
+              f"{(st['wall_per_step_median_s'] - stats['D']['wall_per_step_median_s']) * 1e3:.0f} ms), "
+              f"{side}/D = {st['step_median_s'] / d:.2f}x; per block {' '.join(f'{r:.2f}' for r in pairs)}; "
+              f"fastest steps {side}/D {st['step_min_s'] / stats['D']['step_min_s']:.2f}x")
+    for side in sides:
+        if side in "AB":
+            st, sd = stats[side]["stages_median_s"], stats["D"]["stages_median_s"]
+            other = stats[side]["step_median_s"] - sum(v for v in st.values() if np.isfinite(v))
+            other_d = d - sum(v for v in sd.values() if np.isfinite(v))
+            print(f"  {side} - D by stage (medians, ms): rollout {(st['rollout'] - sd['rollout']) * 1e3:+.0f}, "
+                  f"reward {(st['reward'] - sd['reward']) * 1e3:+.0f}, train {(st['train'] - sd['train']) * 1e3:+.0f} "
+                  f"(worker compute, timing/train_step on rank 0: {stats[side]['train_worker_compute_median_s'] * 1e3:.0f} "
+                  f"vs D's train {sd['train'] * 1e3:.0f})"
+                  + (f", weight sync {st['sync'] * 1e3:+.0f}" if np.isfinite(st["sync"]) else "")
+                  + f", rest {(other - other_d) * 1e3:+.0f}; outside timing/step: MLflow log_metrics "
+                  f"{stats[side]['mlflow_log_median_s'] * 1e3:.0f} ms/step, checkpoints "
+                  + (", ".join(f"{c:.2f}" for c in stats[side]["checkpoint_s"]) + " s" if stats[side]["checkpoint_s"] else "none")
+                  + f" (every {runners[side].trainer.run_cfg.checkpoint_every} steps)")
+    ray_idle = stats["D"]["cpu_s_per_step_median"]["ray_processes"]
+    if np.isfinite(ray_idle):
+        print(f"  while D ran, the idle Ray processes used {ray_idle:.3f} CPU-s per D step")
+
+
+def print_checks(sides: str, stats: dict[str, dict[str, Any]], prompt_mismatch: dict[str, list[int]]) -> None:
+    """Same math on every side: step-1 rewards and reward curves, on-policy log-probs, the same prompts."""
     same = [s for s in "ABD" if s in sides]
     if len(same) > 1:
         r1 = {s: stats[s]["reward_step1"] for s in same}
@@ -783,10 +658,58 @@ def main(argv: list[str] | None = None) -> int:
           + "; prompts per step: " + ("identical on every side" if not prompt_mismatch else f"MISMATCH {prompt_mismatch}"))
     print("  reward curves (every 5th step): " + "; ".join(
         f"{s} " + " ".join(f"{v:.2f}" for v in stats[s]["reward_curve"][::5]) for s in sides))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, sides, notes = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("UNIRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    t_all = time.perf_counter()
+    storage = tempfile.mkdtemp(prefix="unirl_bench_ar_vs_trl_")
+    total = args.warmup + args.blocks * args.block_steps
+    direct, engine = load_recipes(args, storage, total)
+    if "B" in sides:
+        check_same_task(direct, engine)
+    task = Task(direct)
+    if args.bare_threads:
+        torch.set_num_threads(args.bare_threads)
+
+    runners: dict[str, Any] = {}
+    setup_s: dict[str, float] = {}
+    load_start = os.getloadavg()[0]
+    try:
+        schedule = start_sides(sides, direct, engine, task, total, storage, runners, setup_s)
+        blocks = run_blocks(args, sides, runners)
+    finally:
+        close_all({side: runners[side] for side in "CBA" if side in runners})
+        shutdown_ray()
+        if not args.keep_storage:
+            shutil.rmtree(storage, ignore_errors=True)
+    load_end = os.getloadavg()[0]
+
+    measured = list(range(args.warmup + 1, total + 1))
+    stats = side_stats(args, sides, runners, blocks, setup_s, measured)
+    # prompts: every side must have trained on the same prompts, step by step
+    prompt_mismatch = {}
+    for side in sides.replace("D", ""):
+        bad = [s for s in range(1, total + 1) if runners[side].prompts_of(s) != schedule[s - 1]]
+        if bad:
+            prompt_mismatch[side] = bad[:5]
+
+    print()
+    print("GRPO on the tiny demo causal LM (char tokenizer), reward: "
+          + " + ".join(f"{w:g} x {n}{kw}" for n, _, w, kw in task.rewards))
+    print(f"  {task.describe()}; A/B: {task.workers} Ray Train workers; C/D: torch threads {torch.get_num_threads()}")
+    print(f"  warm-up {args.warmup} steps each, then {args.blocks} blocks x {args.block_steps} steps, order "
+          f"{' '.join(blocks.order)}; medians over {len(measured)} measured steps per side")
+    print_table_of_sides(sides, stats, total, args.threshold)
+    if stats.get("D", {}).get("step_median_s"):
+        print_vs_bare(sides, stats, runners)
+    print_checks(sides, stats, prompt_mismatch)
     print(f"  setup seconds: {', '.join(f'{s} {v:.1f}' for s, v in setup_s.items())}; "
           f"1-min load average {load_start:.1f} at start, {load_end:.1f} at end ({os.cpu_count()} CPUs)"
           + "".join(f"; {note}" for note in notes))
 
+    d = stats.get("D", {}).get("step_median_s")
     result = {
         "bench": "ar_grpo_vs_trl",
         "recipes": {"A": os.path.relpath(args.direct_recipe, REPO), "B": os.path.relpath(args.engine_recipe, REPO)},

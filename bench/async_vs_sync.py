@@ -39,8 +39,6 @@ See bench/README.md for what is measured and how to read it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import logging
 import os
@@ -52,9 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    DrivenTrainer, pick,
     moving_average, steps_to_threshold,
     finish_report, shutdown_ray,
-    fresh_setup,
     cpu_seconds, emit_json, fmt_num, loadavg_1min, median, offline_env, print_table,
 )
 
@@ -116,36 +114,32 @@ def build(task: str, side: str, seed: int, steps: int, storage: str, overrides: 
 
 
 def run_one(task: str, side: str, seed: int, steps: int, storage: str, overrides: list[str]) -> dict[str, Any]:
-    """setup(), ``steps`` x (run_step + log_metrics), teardown(); per-step metrics and wall times."""
+    """setup(), ``steps`` x (run_step + log_metrics), teardown() (a ``DrivenTrainer``); per-step metrics and wall times."""
     cfg, trainer = build(task, side, seed, steps, storage, overrides)
     samples_per_step = int(cfg.trainer.prompts_per_step) * int(cfg.algorithm.group_size)
-    status = "FAILED"
-    per_step: list[dict[str, float]] = []
     walls: list[float] = []
     ends: list[float] = []  # wall clock (time.time) at the end of each step
+    cpu0 = [float("nan")]
+    keep = pick(KEPT)
+
+    def on_step(i: int, metrics: dict, times: dict) -> dict[str, float]:
+        walls.append(times["wall_s"])
+        ends.append(times["end_time"])
+        if i == WARMUP:
+            cpu0[0] = sum(cpu_seconds())
+        return keep(i, metrics, times)
+
+    run = DrivenTrainer(trainer, on_step=on_step, quiet_teardown=True)
     try:
-        setup_s = fresh_setup(trainer)
-        t_prev = t_first = time.perf_counter()
-        for i in range(1, steps + 1):
-            metrics = trainer.run_step(i)
-            trainer.tracker.log_metrics(metrics, step=i)
-            now = time.perf_counter()
-            walls.append(now - t_prev)
-            ends.append(time.time())
-            t_prev = now
-            per_step.append({k: float(metrics.get(k, float("nan"))) for k in KEPT})
-            if i == WARMUP:
-                cpu0 = sum(cpu_seconds())
-        steps_wall = time.perf_counter() - t_first
-        cpu_s = sum(cpu_seconds()) - cpu0
+        setup_s = run.setup()
+        steps_wall = run.run_block(steps)
+        cpu_s = sum(cpu_seconds()) - cpu0[0]
         stream = getattr(trainer, "stream", None)
         busy = list(stream.busy) if stream is not None else None  # (start, end) wall clock of each generation
-        status = "FINISHED"
+        run.finish()
     finally:
-        t_down = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()):  # the "MLflow run ... open it with" lines
-            trainer.teardown(status)
-        teardown_s = time.perf_counter() - t_down
+        run.close()  # teardown_s
+    per_step = [run.steps[i] for i in range(1, steps + 1)]
     steady = walls[WARMUP:]
     span = (ends[WARMUP - 1], ends[-1])
     if busy is None:  # sync: the rollout slab works only inside timing/rollout
@@ -155,7 +149,7 @@ def run_one(task: str, side: str, seed: int, steps: int, storage: str, overrides
     return {
         "samples_per_step": samples_per_step,
         "setup_s": setup_s,
-        "teardown_s": teardown_s,
+        "teardown_s": run.teardown_s,
         "steps_wall_s": steps_wall,
         "step_walls_s": walls,
         "cpu_s_per_sample": cpu_s / (samples_per_step * len(steady)),

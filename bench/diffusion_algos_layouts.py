@@ -37,8 +37,6 @@ See bench/README.md for what is measured and how to read it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import logging
 import os
 import shutil
@@ -49,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    DrivenTrainer, Interleave, close_all, pick,
     moving_average, steps_to_threshold,
     finish_report, shutdown_ray,
-    fresh_setup,
     fmt_num, loadavg_1min, median, offline_env, print_table,
 )
 
@@ -73,38 +71,12 @@ KEPT = ("reward/mean", "reward/std", *(f"timing/{k}" for k in TIMINGS),
 # one trainer, driven block by block
 
 
-class TrainerRun:
+def trainer_run(recipe) -> DrivenTrainer:
     """A real ``DiffusionTrainer``: ``setup()``, then ``run_block(n)`` (``run_step`` per step, metrics
     logged to MLflow; no checkpoints and no sample images), then ``close()``."""
+    from unirl_ray.trainer.diffusion import DiffusionTrainer
 
-    def __init__(self, recipe) -> None:
-        from unirl_ray.trainer.diffusion import DiffusionTrainer
-
-        self.trainer = DiffusionTrainer(recipe)
-        self.done = 0
-        self.status = "FAILED"
-        self.steps: dict[int, dict[str, float]] = {}
-
-    def setup(self) -> float:
-        return fresh_setup(self.trainer)
-
-    def run_block(self, n: int) -> float:
-        """Run the next ``n`` steps; returns the block's wall time."""
-        tr = self.trainer
-        t0 = time.perf_counter()
-        for i in range(self.done + 1, self.done + n + 1):
-            metrics = tr.run_step(i)
-            tr.tracker.log_metrics(metrics, step=i)
-            self.steps[i] = {k: float(metrics.get(k, float("nan"))) for k in KEPT}
-        self.done += n
-        return time.perf_counter() - t0
-
-    def series(self, key: str, steps: list[int]) -> list[float]:
-        return [self.steps[s][key] for s in steps]
-
-    def close(self) -> None:
-        with contextlib.redirect_stdout(io.StringIO()):  # the "MLflow run ... open it with" lines
-            self.trainer.teardown(self.status)
+    return DrivenTrainer(DiffusionTrainer(recipe), on_step=pick(KEPT), quiet_teardown=True)
 
 
 def load(path: Path, storage: str, name: str, steps: int, overrides: list[str]):
@@ -153,13 +125,13 @@ def run_algos(args, storage: str, out: dict[str, Any]) -> None:
                                ("bundle", "pipeline", "backend", "algorithm", "stack", "rollout", "data", "reward"))
     schedule: list[str] = []
     for seed in seeds:
-        sides: dict[str, TrainerRun] = {}
+        sides: dict[str, DrivenTrainer] = {}
         try:
             for algo, path in ALGO_RECIPES.items():
                 recipe = load(path, storage, f"algos-{algo}-s{seed}", args.steps,
                               [*common, f"trainer.seed={seed}", f"data.seed={seed}"])
                 print(f"[bench] seed {seed}: setting up {ALGO_NAMES[algo]} ...", flush=True)
-                sides[algo] = TrainerRun(recipe)
+                sides[algo] = trainer_run(recipe)
                 runs[algo][seed] = {"setup_s": sides[algo].setup()}
             done = 0
             while done < args.steps:
@@ -172,13 +144,9 @@ def run_algos(args, storage: str, out: dict[str, Any]) -> None:
                       + ", ".join(f"{ALGO_NAMES[a]} {s.steps[done]['reward/mean']:.4f}" for a, s in sides.items()),
                       flush=True)
             for side in sides.values():
-                side.status = "FINISHED"
+                side.finish()
         finally:
-            for side in sides.values():
-                try:
-                    side.close()
-                except Exception as exc:  # noqa: BLE001 - keep tearing down the other
-                    print(f"[bench] teardown failed: {exc}", flush=True)
+            close_all({ALGO_NAMES[algo]: side for algo, side in sides.items()})
         steps = list(range(1, args.steps + 1))
         timed = steps[1:]  # step 1 also pays first-call costs
         for algo, side in sides.items():
@@ -276,33 +244,27 @@ def layout_recipes(storage: str, total: int, args) -> dict[str, Any]:
 def run_layouts(args, storage: str, out: dict[str, Any]) -> None:
     total = args.layout_warmup + args.layout_blocks * args.layout_block_steps
     recipes = layout_recipes(storage, total, args)
-    sides: dict[str, TrainerRun] = {}
+    sides: dict[str, DrivenTrainer] = {}
     setup_s: dict[str, float] = {}
-    schedule: list[str] = []
-    walls: dict[str, list[float]] = {k: [] for k in recipes}
+    blocks = Interleave(recipes)
     try:
         for key, recipe in recipes.items():
             print(f"[bench] setting up {key} ({LAYOUT_NAMES[key]}) ...", flush=True)
-            sides[key] = TrainerRun(recipe)
+            sides[key] = trainer_run(recipe)
             setup_s[key] = sides[key].setup()
         print(f"[bench] warm-up: {args.layout_warmup} steps of each layout", flush=True)
         for key, side in sides.items():
-            side.run_block(args.layout_warmup)
-            schedule.append(f"{key}{args.layout_warmup}")
+            blocks.run(key, args.layout_warmup, side.run_block, measured=False)
         for block in range(args.layout_blocks):
             print(f"[bench] block {block + 1}/{args.layout_blocks}: T, C, S, {args.layout_block_steps} steps each",
                   flush=True)
             for key, side in sides.items():
-                walls[key].append(side.run_block(args.layout_block_steps) / args.layout_block_steps)
-                schedule.append(f"{key}{args.layout_block_steps}")
+                blocks.run(key, args.layout_block_steps, side.run_block, measured=True)
         for side in sides.values():
-            side.status = "FINISHED"
+            side.finish()
     finally:
-        for side in reversed(list(sides.values())):
-            try:
-                side.close()
-            except Exception as exc:  # noqa: BLE001 - keep tearing down the others
-                print(f"[bench] teardown failed: {exc}", flush=True)
+        close_all({LAYOUT_NAMES[key]: side for key, side in reversed(list(sides.items()))})
+    schedule, walls = blocks.order, blocks.walls
 
     measured = list(range(args.layout_warmup + 1, total + 1))
     stats: dict[str, dict[str, Any]] = {}

@@ -33,11 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    DrivenTrainer, Interleave,
     shutdown_ray,
-    fresh_setup,
-    cpu_seconds, emit_json, fmt_num, median, offline_env, print_table,
+    emit_json, fmt_num, median, offline_env, print_table,
 )
 
 offline_env()
@@ -54,52 +55,12 @@ A_KEYS = ("timing/step", "timing/rollout", "timing/reward", "timing/train", "tim
 
 
 # ---------------------------------------------------------------------------------------------
-# (A) the trainer, driven block by block
+# (A) the trainer, driven block by block (``DrivenTrainer``: ``setup()``, ``run_step(i)`` per step,
+# logged to MLflow and checkpointed as ``run_steps`` does, ``teardown()``)
 
 
-class TrainerDriver:
-    """A real ``DiffusionTrainer`` run step by step: ``setup()``, ``run_step(i)`` per step (logged to
-    MLflow and checkpointed as ``run_steps`` does), ``teardown()``."""
-
-    def __init__(self, recipe, total_steps: int) -> None:
-        from unirl_ray.trainer.diffusion import DiffusionTrainer
-
-        self.trainer = DiffusionTrainer(recipe)
-        self.total_steps = total_steps
-        self.done = 0
-        self.status = "FAILED"
-        self.metrics: dict[str, dict[int, float]] = {k: {} for k in A_KEYS}
-
-    def setup(self) -> float:
-        return fresh_setup(self.trainer)
-
-    def run_block(self, n: int) -> float:
-        """Run the next ``n`` steps; returns the block's wall time (logging, images, checkpoints included)."""
-        tr = self.trainer
-        t0 = time.perf_counter()
-        for i in range(self.done + 1, self.done + n + 1):
-            metrics = tr.run_step(i)
-            tr.tracker.log_metrics(metrics, step=i)
-            if i % tr.run_cfg.checkpoint_every == 0 or i == self.total_steps:
-                tr.save_checkpoint(i)
-            for key in A_KEYS:
-                if key in metrics:
-                    self.metrics[key][i] = float(metrics[key])
-        self.done += n
-        return time.perf_counter() - t0
-
-    def metric_history(self) -> dict[str, dict[int, float]]:
-        """``{key: {step: value}}`` of the trainer's per-step metrics."""
-        return self.metrics
-
-    def prompts_of(self, step: int) -> list[str] | None:
-        for s, prompts in self.trainer.prompt_log:
-            if s == step:
-                return prompts
-        return None
-
-    def teardown(self) -> None:
-        self.trainer.teardown(self.status)
+def _a_record(step: int, metrics: dict, times: dict) -> dict[str, float]:
+    return {k: float(metrics[k]) for k in A_KEYS if k in metrics}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +197,7 @@ def _fmt(x: float, unit: str = "") -> str:
     return fmt_num(x, unit=unit, missing="n/a")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="diffusion recipe (default: the tiny SD3 Flow-GRPO one)")
     ap.add_argument("--workers", type=int, default=2, help="Ray Train workers of the trainer (1 or 2 on a 2-core machine)")
@@ -254,6 +215,168 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1 or args.warmup < 1 or args.blocks < 1 or args.block_steps < 1:
         ap.error("--workers, --warmup, --blocks and --block-steps must be >= 1")
+    return args
+
+
+def run_sides(args, recipe, total: int, storage: str) -> dict[str, Any]:
+    """Set up A, build B, warm-up, then the interleaved blocks A, B, A, B, ...; A torn down at the end."""
+    from unirl_ray.trainer.diffusion import DiffusionTrainer
+
+    prompt_file = Path(recipe.data.path)
+    fallback_prompts = [line.strip() for line in prompt_file.read_text().splitlines() if line.strip()]
+    driver = DrivenTrainer(DiffusionTrainer(recipe), on_step=_a_record, checkpoint_steps=total)
+    blocks = Interleave("AB")
+    b_metrics: dict[int, dict[str, float]] = {}
+    try:
+        print(f"[bench] setting up the trainer ({args.workers} workers) in {storage} ...", flush=True)
+        setup_s = driver.setup()
+        print(f"[bench] trainer ready in {setup_s:.1f}s; building the bare loop ...", flush=True)
+        if args.bare_nice is not None:  # Linux: per thread; threads started later inherit it
+            os.setpriority(os.PRIO_PROCESS, 0, args.bare_nice)
+        bare = BareLoop(recipe, workers=args.workers, prompt_fallback=fallback_prompts)
+
+        def run_b(n: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                m = bare.step(driver.prompts_of(bare.step_index + 1))
+                b_metrics[bare.step_index] = m
+            return time.perf_counter() - t0
+
+        print(f"[bench] warm-up: {args.warmup} steps of A, then of B", flush=True)
+        blocks.run("A", args.warmup, driver.run_block, measured=False)
+        blocks.run("B", args.warmup, run_b, measured=False)
+        for block in range(args.blocks):
+            print(f"[bench] block {block + 1}/{args.blocks}: A then B, {args.block_steps} steps each", flush=True)
+            blocks.run("A", args.block_steps, driver.run_block, measured=True)
+            blocks.run("B", args.block_steps, run_b, measured=True)
+        driver.finish()
+        bare_nice = _thread_niceness()
+    finally:
+        driver.close()
+    history = {k: {s: rec[k] for s, rec in driver.steps.items() if k in rec} for k in A_KEYS}
+    return {"history": history, "b_metrics": b_metrics, "blocks": blocks, "setup_s": setup_s,
+            "bare_nice": bare_nice, "samples": bare.num_samples}
+
+
+def summarise(args, run: dict[str, Any], total: int) -> dict[str, Any]:
+    """Medians of both sides, their ratios (overall, per block pair, fastest steps), CPU and the checks."""
+    history, b_metrics, blocks = run["history"], run["b_metrics"], run["blocks"]
+    measured = list(range(args.warmup + 1, total + 1))
+    missing = [s for s in measured if s not in history["timing/step"]]
+    if missing:
+        raise SystemExit(f"the trainer's MLflow run lacks timing/step for steps {missing}")
+
+    def a_series(key: str) -> list[float]:
+        return [history[key][s] for s in measured if s in history[key]]
+
+    def b_series(key: str) -> list[float]:
+        return [b_metrics[s][key] for s in measured]
+
+    a = {k: median(a_series(f"timing/{k}")) for k in ("step", *STAGES, "train_step")}
+    b = {k: median(b_series(f"timing/{k}")) for k in ("step", *STAGES)}
+    a["other"] = median([history["timing/step"][s] - sum(history[f"timing/{k}"].get(s, 0.0) for k in STAGES) for s in measured])
+    b["other"] = median([b_metrics[s]["timing/step"] - sum(b_metrics[s][f"timing/{k}"] for k in STAGES) for s in measured])
+    # drift check: the ratio of each adjacent (A block, B block) pair, and the fastest steps
+    pair_ratios = []
+    for k in range(args.blocks):
+        steps = measured[k * args.block_steps:(k + 1) * args.block_steps]
+        pair_ratios.append(median([history["timing/step"][s] for s in steps]) / median([b_metrics[s]["timing/step"] for s in steps]))
+    a_r1, b_r1 = history["reward/mean"].get(1), b_metrics[1]["reward/mean"]
+    return {
+        "measured": measured, "a": a, "b": b, "ratio": a["step"] / b["step"], "pair_ratios": pair_ratios,
+        "wall_a": median(blocks.walls["A"]), "wall_b": median(blocks.walls["B"]),
+        "a_min": min(a_series("timing/step")), "b_min": min(b_series("timing/step")),
+        "a_steps": a_series("timing/step"), "b_steps": b_series("timing/step"),
+        "cpu": {"a": blocks.cpu_median("A"), "b": blocks.cpu_median("B")},
+        "a_r1": a_r1, "b_r1": b_r1,
+        "a_gap": max(history["rollout/logp_gap"].values()) if history["rollout/logp_gap"] else float("nan"),
+        "b_gap": max(m["rollout/logp_gap"] for m in b_metrics.values()),
+        "a_last_reward": history["reward/mean"].get(total, float("nan")), "b_last_reward": b_metrics[total]["reward/mean"],
+    }
+
+
+def print_report(args, recipe, run: dict[str, Any], st: dict[str, Any], total: int, load: tuple[float, float]) -> None:
+    a, b, cpu = st["a"], st["b"], st["cpu"]
+    wall_a, wall_b = st["wall_a"], st["wall_b"]
+    rows = [
+        ("rollout  (timing/rollout)", a["rollout"], b["rollout"]),
+        ("reward   (timing/reward)", a["reward"], b["reward"]),
+        ("train    (timing/train)", a["train"], b["train"]),
+        ("  of which worker compute (timing/train_step)", a["train_step"], float("nan"), False),
+        ("other    (step - the three)", a["other"], b["other"], False),
+        ("STEP     (timing/step)", a["step"], b["step"]),
+        ("wall/step incl. logging, images, ckpt (block medians)", wall_a, wall_b),
+        ("CPU-s/step, driver + Ray processes (block medians)", cpu["a"][0] + cpu["a"][1], cpu["b"][0] + cpu["b"][1]),
+        ("  of which Ray processes (for B: the idle trainer)", cpu["a"][1], cpu["b"][1], False),
+    ]
+    print()
+    print(f"SD3 Flow-GRPO overhead: {run['samples']} samples/step ({recipe.trainer.prompts_per_step} prompts x "
+          f"{recipe.algorithm.group_size}), {recipe.pipeline.num_inference_steps} SDE steps, "
+          f"{recipe.pipeline.height}x{recipe.pipeline.width}; A = DiffusionTrainer ({args.workers} Ray Train workers), "
+          f"B = bare loop (torch threads {torch.get_num_threads()}, thread niceness {run['bare_nice']})")
+    print(f"warm-up {args.warmup} steps each, then {args.blocks} blocks x {args.block_steps} steps, "
+          f"order {' '.join(run['blocks'].order)}; medians over {len(st['measured'])} measured steps per side")
+    width = max(len(r[0]) for r in rows)
+    cells = []
+    for name, va, vb, *show in rows:
+        r = va / vb if (show or [True])[0] and np.isfinite(va) and np.isfinite(vb) and vb > 0 else float("nan")
+        cells.append([name, _fmt(va, "s"), _fmt(vb, "s"), _fmt(r)])
+    print_table(["seconds per RL step (median)", "A trainer", "B bare", "A/B"], cells, [width, 10, 11, 9], gap=0)
+    print(f"RATIO A/B (timing/step medians) = {st['ratio']:.2f}x   (wall/step: {wall_a / wall_b:.2f}x)")
+    print(f"per block pair A/B: {' '.join(f'{r:.2f}' for r in st['pair_ratios'])} (median {median(st['pair_ratios']):.2f}); "
+          f"fastest step: A {st['a_min']:.3f}s, B {st['b_min']:.3f}s, ratio {st['a_min'] / st['b_min']:.2f}x")
+    print(f"1-min load average: {load[0]:.1f} at start, {load[1]:.1f} at end ({os.cpu_count()} CPUs)")
+    print(f"checks: step-1 reward A {st['a_r1']:.6f} vs B {st['b_r1']:.6f} (same weights, prompts, seeds); "
+          f"max first-pass |logp - logp_old|: A {st['a_gap']:.2e}, B {st['b_gap']:.2e}; "
+          f"reward step 1 -> {total}: A {st['a_r1']:.4f} -> {st['a_last_reward']:.4f}, "
+          f"B {st['b_r1']:.4f} -> {st['b_last_reward']:.4f}")
+
+
+def result_of(args, run: dict[str, Any], st: dict[str, Any], load: tuple[float, float], t_all: float) -> dict[str, Any]:
+    a, b, cpu = st["a"], st["b"], st["cpu"]
+    return {
+        "bench": "sd3_flowgrpo_overhead",
+        "recipe": os.path.relpath(args.recipe, REPO) if str(args.recipe).startswith(str(REPO)) else args.recipe,
+        "overrides": args.overrides,
+        "workers": args.workers,
+        "samples_per_step": run["samples"],
+        "warmup_steps": args.warmup,
+        "blocks": args.blocks,
+        "block_steps": args.block_steps,
+        "measured_steps_per_side": len(st["measured"]),
+        "ratio_step": st["ratio"],
+        "ratio_wall": st["wall_a"] / st["wall_b"],
+        "ratio_block_pairs": st["pair_ratios"],
+        "ratio_min_step": st["a_min"] / st["b_min"],
+        "a": {
+            "step_median_s": a["step"],
+            "step_min_s": st["a_min"],
+            "stages_median_s": {k: a[k] for k in STAGES} | {"train_worker_compute": a["train_step"], "other": a["other"]},
+            "wall_per_step_median_s": st["wall_a"],
+            "cpu_s_per_step_median": {"driver": cpu["a"][0], "ray_cluster": cpu["a"][1]},
+            "setup_s": run["setup_s"],
+            "step_s": st["a_steps"],
+        },
+        "b": {
+            "step_median_s": b["step"],
+            "step_min_s": st["b_min"],
+            "stages_median_s": {k: b[k] for k in STAGES} | {"other": b["other"]},
+            "wall_per_step_median_s": st["wall_b"],
+            "cpu_s_per_step_median": {"driver": cpu["b"][0], "ray_cluster_idle": cpu["b"][1]},
+            "torch_threads": torch.get_num_threads(),
+            "thread_niceness": run["bare_nice"],
+            "step_s": st["b_steps"],
+        },
+        "checks": {"a_step1_reward": st["a_r1"], "b_step1_reward": st["b_r1"], "a_max_logp_gap": st["a_gap"],
+                   "b_max_logp_gap": st["b_gap"]},
+        "total_wall_s": time.perf_counter() - t_all,
+        "loadavg_1min": {"start": load[0], "end": load[1]},
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=os.environ.get("UNIRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
 
     from unirl_ray.config.recipe import load_recipe
@@ -272,167 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(args.recipe, overrides)
     if args.bare_threads:
         torch.set_num_threads(args.bare_threads)
-    prompt_file = Path(recipe.data.path)
-    fallback_prompts = [line.strip() for line in prompt_file.read_text().splitlines() if line.strip()]
-
-    driver = TrainerDriver(recipe, total)
-    a_blocks: list[float] = []  # wall seconds per step of each measured A block
-    b_metrics: dict[int, dict[str, float]] = {}
-    b_blocks: list[float] = []
-    schedule: list[str] = []
-    a_cpu: list[tuple[float, float]] = []  # per measured block: (driver, Ray cluster) CPU-s per step
-    b_cpu: list[tuple[float, float]] = []
     load_start = os.getloadavg()[0]
     try:
-        print(f"[bench] setting up the trainer ({args.workers} workers) in {storage} ...", flush=True)
-        setup_s = driver.setup()
-        print(f"[bench] trainer ready in {setup_s:.1f}s; building the bare loop ...", flush=True)
-        if args.bare_nice is not None:  # Linux: per thread; threads started later inherit it
-            os.setpriority(os.PRIO_PROCESS, 0, args.bare_nice)
-        bare = BareLoop(recipe, workers=args.workers, prompt_fallback=fallback_prompts)
-
-        def run_a(n: int, measured: bool) -> None:
-            cpu0 = cpu_seconds()
-            wall = driver.run_block(n)
-            cpu1 = cpu_seconds()
-            schedule.append(f"A{n}")
-            if measured:
-                a_blocks.append(wall / n)
-                a_cpu.append(((cpu1[0] - cpu0[0]) / n, (cpu1[1] - cpu0[1]) / n))
-
-        def run_b(n: int, measured: bool) -> None:
-            cpu0 = cpu_seconds()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                m = bare.step(driver.prompts_of(bare.step_index + 1))
-                b_metrics[bare.step_index] = m
-            wall = time.perf_counter() - t0
-            cpu1 = cpu_seconds()
-            schedule.append(f"B{n}")
-            if measured:
-                b_blocks.append(wall / n)
-                b_cpu.append(((cpu1[0] - cpu0[0]) / n, (cpu1[1] - cpu0[1]) / n))
-
-        print(f"[bench] warm-up: {args.warmup} steps of A, then of B", flush=True)
-        run_a(args.warmup, False)
-        run_b(args.warmup, False)
-        for block in range(args.blocks):
-            print(f"[bench] block {block + 1}/{args.blocks}: A then B, {args.block_steps} steps each", flush=True)
-            run_a(args.block_steps, True)
-            run_b(args.block_steps, True)
-        driver.status = "FINISHED"
-        bare_nice = _thread_niceness()
-        history = driver.metric_history()
+        run = run_sides(args, recipe, total, storage)
     finally:
-        try:
-            driver.teardown()
-        finally:
-            shutdown_ray()
-            if not args.keep_storage:
-                shutil.rmtree(storage, ignore_errors=True)
-
-    measured = list(range(args.warmup + 1, total + 1))
-    missing = [s for s in measured if s not in history["timing/step"]]
-    if missing:
-        raise SystemExit(f"the trainer's MLflow run lacks timing/step for steps {missing}")
-
-    def a_series(key: str) -> list[float]:
-        return [history[key][s] for s in measured if s in history[key]]
-
-    def b_series(key: str) -> list[float]:
-        return [b_metrics[s][key] for s in measured]
-
-    a = {k: median(a_series(f"timing/{k}")) for k in ("step", *STAGES, "train_step")}
-    b = {k: median(b_series(f"timing/{k}")) for k in ("step", *STAGES)}
-    a_other = median([history["timing/step"][s] - sum(history[f"timing/{k}"].get(s, 0.0) for k in STAGES) for s in measured])
-    b_other = median([b_metrics[s]["timing/step"] - sum(b_metrics[s][f"timing/{k}"] for k in STAGES) for s in measured])
-    ratio = a["step"] / b["step"]
-    wall_a, wall_b = median(a_blocks), median(b_blocks)
-    # drift check: the ratio of each adjacent (A block, B block) pair, and the fastest steps
-    pair_ratios = []
-    for k in range(args.blocks):
-        steps = measured[k * args.block_steps:(k + 1) * args.block_steps]
-        pair_ratios.append(median([history["timing/step"][s] for s in steps]) / median([b_metrics[s]["timing/step"] for s in steps]))
-    a_min, b_min = min(a_series("timing/step")), min(b_series("timing/step"))
-
-    cpu = {side: (median([c[0] for c in blocks]), median([c[1] for c in blocks])) for side, blocks in (("a", a_cpu), ("b", b_cpu))}
-    load_end = os.getloadavg()[0]
-    rows = [
-        ("rollout  (timing/rollout)", a["rollout"], b["rollout"]),
-        ("reward   (timing/reward)", a["reward"], b["reward"]),
-        ("train    (timing/train)", a["train"], b["train"]),
-        ("  of which worker compute (timing/train_step)", a["train_step"], float("nan"), False),
-        ("other    (step - the three)", a_other, b_other, False),
-        ("STEP     (timing/step)", a["step"], b["step"]),
-        ("wall/step incl. logging, images, ckpt (block medians)", wall_a, wall_b),
-        ("CPU-s/step, driver + Ray processes (block medians)", cpu["a"][0] + cpu["a"][1], cpu["b"][0] + cpu["b"][1]),
-        ("  of which Ray processes (for B: the idle trainer)", cpu["a"][1], cpu["b"][1], False),
-    ]
-    n_samples = bare.num_samples
-    print()
-    print(f"SD3 Flow-GRPO overhead: {n_samples} samples/step ({recipe.trainer.prompts_per_step} prompts x "
-          f"{recipe.algorithm.group_size}), {recipe.pipeline.num_inference_steps} SDE steps, "
-          f"{recipe.pipeline.height}x{recipe.pipeline.width}; A = DiffusionTrainer ({args.workers} Ray Train workers), "
-          f"B = bare loop (torch threads {torch.get_num_threads()}, thread niceness {bare_nice})")
-    print(f"warm-up {args.warmup} steps each, then {args.blocks} blocks x {args.block_steps} steps, "
-          f"order {' '.join(schedule)}; medians over {len(measured)} measured steps per side")
-    width = max(len(r[0]) for r in rows)
-    cells = []
-    for name, va, vb, *show in rows:
-        r = va / vb if (show or [True])[0] and np.isfinite(va) and np.isfinite(vb) and vb > 0 else float("nan")
-        cells.append([name, _fmt(va, "s"), _fmt(vb, "s"), _fmt(r)])
-    print_table(["seconds per RL step (median)", "A trainer", "B bare", "A/B"], cells, [width, 10, 11, 9], gap=0)
-    print(f"RATIO A/B (timing/step medians) = {ratio:.2f}x   (wall/step: {wall_a / wall_b:.2f}x)")
-    print(f"per block pair A/B: {' '.join(f'{r:.2f}' for r in pair_ratios)} (median {median(pair_ratios):.2f}); "
-          f"fastest step: A {a_min:.3f}s, B {b_min:.3f}s, ratio {a_min / b_min:.2f}x")
-    a_r1, b_r1 = history["reward/mean"].get(1), b_metrics[1]["reward/mean"]
-    b_gap = max(m["rollout/logp_gap"] for m in b_metrics.values())
-    a_gap = max(history["rollout/logp_gap"].values()) if history["rollout/logp_gap"] else float("nan")
-    print(f"1-min load average: {load_start:.1f} at start, {load_end:.1f} at end ({os.cpu_count()} CPUs)")
-    print(f"checks: step-1 reward A {a_r1:.6f} vs B {b_r1:.6f} (same weights, prompts, seeds); "
-          f"max first-pass |logp - logp_old|: A {a_gap:.2e}, B {b_gap:.2e}; "
-          f"reward step 1 -> {total}: A {a_r1:.4f} -> {history['reward/mean'].get(total, float('nan')):.4f}, "
-          f"B {b_r1:.4f} -> {b_metrics[total]['reward/mean']:.4f}")
-
-    result = {
-        "bench": "sd3_flowgrpo_overhead",
-        "recipe": os.path.relpath(args.recipe, REPO) if str(args.recipe).startswith(str(REPO)) else args.recipe,
-        "overrides": args.overrides,
-        "workers": args.workers,
-        "samples_per_step": n_samples,
-        "warmup_steps": args.warmup,
-        "blocks": args.blocks,
-        "block_steps": args.block_steps,
-        "measured_steps_per_side": len(measured),
-        "ratio_step": ratio,
-        "ratio_wall": wall_a / wall_b,
-        "ratio_block_pairs": pair_ratios,
-        "ratio_min_step": a_min / b_min,
-        "a": {
-            "step_median_s": a["step"],
-            "step_min_s": a_min,
-            "stages_median_s": {k: a[k] for k in STAGES} | {"train_worker_compute": a["train_step"], "other": a_other},
-            "wall_per_step_median_s": wall_a,
-            "cpu_s_per_step_median": {"driver": cpu["a"][0], "ray_cluster": cpu["a"][1]},
-            "setup_s": setup_s,
-            "step_s": a_series("timing/step"),
-        },
-        "b": {
-            "step_median_s": b["step"],
-            "step_min_s": b_min,
-            "stages_median_s": {k: b[k] for k in STAGES} | {"other": b_other},
-            "wall_per_step_median_s": wall_b,
-            "cpu_s_per_step_median": {"driver": cpu["b"][0], "ray_cluster_idle": cpu["b"][1]},
-            "torch_threads": torch.get_num_threads(),
-            "thread_niceness": bare_nice,
-            "step_s": b_series("timing/step"),
-        },
-        "checks": {"a_step1_reward": a_r1, "b_step1_reward": b_r1, "a_max_logp_gap": a_gap, "b_max_logp_gap": b_gap},
-        "total_wall_s": time.perf_counter() - t_all,
-        "loadavg_1min": {"start": load_start, "end": load_end},
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-    }
-    emit_json(result, args.json_out)
+        shutdown_ray()
+        if not args.keep_storage:
+            shutil.rmtree(storage, ignore_errors=True)
+    st = summarise(args, run, total)
+    load = (load_start, os.getloadavg()[0])
+    print_report(args, recipe, run, st, total, load)
+    emit_json(result_of(args, run, st, load, t_all), args.json_out)
     return 0
 
 

@@ -42,12 +42,14 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
 
-from _common import emit_json, median, offline_env, print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    DrivenTrainer, GatedLoop, Interleave, StepGate, close_all, trl_available,
+    emit_json, median, offline_env, print_table,
+)
 
 offline_env()
 
@@ -73,39 +75,22 @@ def load(args: argparse.Namespace, data_path: str | None = None):
 
 
 # ------------------------------------------------------------------------------------------------ (A)
-class TrainerSide:
-    """The real ``SFTTrainer``: ``setup`` (Ray, workers, MLflow), then ``train_steps`` calls, logged."""
+def trainer_side(recipe, total_steps: int, storage: str) -> DrivenTrainer:
+    """The real ``SFTTrainer``: ``setup`` (Ray, workers, MLflow), then ``train_steps`` calls
+    (``trainer.steps_per_call`` steps per command), every step logged."""
+    from omegaconf import OmegaConf
 
-    def __init__(self, recipe, total_steps: int, storage: str) -> None:
-        from omegaconf import OmegaConf
+    from unirl_ray.trainer.sft import SFTTrainer
 
-        from unirl_ray.trainer.sft import SFTTrainer
+    recipe = OmegaConf.merge(recipe, {"trainer": {"num_steps": total_steps, "storage_path": storage,
+                                                  "run_name": "bench-sft"}})
+    trainer = SFTTrainer(recipe)
+    return DrivenTrainer(trainer, on_step=_trainer_record, per_call=trainer.run_cfg.steps_per_call)
 
-        recipe = OmegaConf.merge(recipe, {"trainer": {"num_steps": total_steps, "storage_path": storage,
-                                                      "run_name": "bench-sft"}})
-        self.trainer = SFTTrainer(recipe)
-        self.per_call = self.trainer.run_cfg.steps_per_call
-        self.step = 0
-        self.steps: list[dict[str, float]] = []
 
-    def setup(self) -> None:
-        self.step = self.trainer.setup()
-
-    def run_block(self, n: int) -> float:
-        t0 = time.perf_counter()
-        while n > 0:
-            count = min(n, self.per_call)
-            for metrics in self.trainer.train_steps(self.step + 1, count):
-                self.step += 1
-                self.trainer.tracker.log_metrics(metrics, step=self.step)
-                self.steps.append({"time": metrics["timing/train"], "tokens": metrics["data/tokens"],
-                                   "loss": metrics["train/loss"], "stack": metrics["timing/train_step"],
-                                   "data": metrics["timing/data"]})
-            n -= count
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.trainer.teardown("FINISHED")
+def _trainer_record(step: int, metrics: dict, times: dict) -> dict[str, float]:
+    return {"time": metrics["timing/train"], "tokens": metrics["data/tokens"], "loss": metrics["train/loss"],
+            "stack": metrics["timing/train_step"], "data": metrics["timing/data"]}
 
 
 # ------------------------------------------------------------------------------------------------ (B)
@@ -220,19 +205,6 @@ class FeedSide:
 
 
 # ------------------------------------------------------------------------------------------------ (C)
-class _StopTRL(Exception):
-    """Raised inside TRL's loop (from the gate callback) to end its ``train()`` after the last block."""
-
-
-def trl_available() -> tuple[bool, str]:
-    try:
-        import datasets  # noqa: F401
-        import trl
-    except ImportError as exc:
-        return False, f"TRL is not installed ({exc}); `pip install -e .[bench]` (trl>=1.16,<2) adds it"
-    return True, f"trl {trl.__version__}"
-
-
 class TRLSide:
     """TRL ``SFTTrainer`` on a fresh copy of the same model; ``train()`` runs in a thread held at every
     ``on_step_begin`` until the driver releases the next block. Step ``k`` lasts from its release to the
@@ -269,27 +241,8 @@ class TRLSide:
         side = self
         self.tokens: dict[int, float] = {}
 
-        class Gate(TrainerCallback):
-            def __init__(self) -> None:
-                self.cv = threading.Condition()
-                self.allowed = self.begun = 0
-                self.stop = False
-                self.begin_t: dict[int, float] = {}
-                self.release_t: dict[int, float] = {}
-                self.last_tokens = 0.0
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                now = time.perf_counter()
-                with self.cv:
-                    self.begun += 1
-                    k = self.begun
-                    self.begin_t[k] = now
-                    self.cv.notify_all()
-                    while self.allowed < k and not self.stop:
-                        self.cv.wait()
-                    if self.stop:
-                        raise _StopTRL()
-                self.release_t[k] = time.perf_counter()
+        class Gate(StepGate, TrainerCallback):
+            last_tokens = 0.0
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "num_tokens" in logs:
@@ -301,56 +254,23 @@ class TRLSide:
                                   processing_class=bundle.tokenizer, callbacks=[self.gate])
         for cb in (PrinterCallback, ProgressCallback):
             self.trainer.remove_callback(cb)
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
+        self.loop = GatedLoop(self.trainer.train, self.gate, "trl-sft")
         self.done = 0
         self.steps: list[dict[str, float]] = []
 
-    def _train(self) -> None:
-        try:
-            self.trainer.train()
-        except _StopTRL:
-            pass
-        except BaseException as exc:  # surfaced in the driver by _wait_at_gate
-            self.error = exc
-        finally:
-            with self.gate.cv:
-                self.gate.cv.notify_all()
-
-    def _wait_at_gate(self, k: int, timeout_s: float = 1800.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        with self.gate.cv:
-            while self.gate.begun < k:
-                if self.error is not None or (self.thread is not None and not self.thread.is_alive()):
-                    raise RuntimeError(f"TRL's train() ended before step {k}") from self.error
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"TRL did not reach step {k} within {timeout_s:.0f}s")
-                self.gate.cv.wait(timeout=1.0)
-
     def setup(self) -> None:
-        self.thread = threading.Thread(target=self._train, name="trl-sft", daemon=True)
-        self.thread.start()
-        self._wait_at_gate(1)
+        self.loop.start()
 
     def run_block(self, n: int) -> float:
-        t0 = time.perf_counter()
-        with self.gate.cv:
-            self.gate.allowed += n
-            self.gate.cv.notify_all()
-        self._wait_at_gate(self.done + n + 1)
-        wall = time.perf_counter() - t0
+        wall = self.loop.release(n)
         for k in range(self.done + 1, self.done + n + 1):
-            self.steps.append({"time": self.gate.begin_t[k + 1] - self.gate.release_t[k],
+            self.steps.append({"time": self.loop.step_s(k),
                                "tokens": self.tokens.get(k, float("nan")), "loss": float("nan")})
         self.done += n
         return wall
 
     def close(self) -> None:
-        with self.gate.cv:
-            self.gate.stop = True
-            self.gate.cv.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout=60)
+        self.loop.close()
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -367,7 +287,10 @@ def repeated_records(recipe, times: int, folder: str) -> str:
     return path
 
 
-def summarise(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
+def summarise(steps: list[dict[str, float]] | dict[int, dict[str, float]], warmup: int) -> dict[str, float]:
+    """Medians after the warm-up of a side's step records (a list, or the trainer's ``{step: record}``)."""
+    if isinstance(steps, dict):
+        steps = list(steps.values())  # in step order
     measured = steps[warmup:]
     return {
         "steps": len(measured),
@@ -412,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat > 1:
         recipe = load(args, repeated_records(recipe, args.repeat, storage))
     runners = {}
+    blocks = Interleave(sides)
     try:
         if "A" in sides:
-            runners["A"] = TrainerSide(recipe, total, storage)
+            runners["A"] = trainer_side(recipe, total, storage)
             runners["A"].setup()
         if "B" in sides:
             runners["B"] = BareSide(recipe, args.workers)
@@ -424,19 +348,20 @@ def main(argv: list[str] | None = None) -> int:
         if "D" in sides:
             runners["D"] = FeedSide(recipe, args.workers)
         for side in sides:  # warm-up, excluded
-            runners[side].run_block(args.warmup)
-        walls = {s: [] for s in sides}
+            blocks.run(side, args.warmup, runners[side].run_block, measured=False)
         for _ in range(args.blocks):
             for side in sides:
-                walls[side].append(runners[side].run_block(args.block_steps) / args.block_steps)
+                blocks.run(side, args.block_steps, runners[side].run_block, measured=True)
+        if "A" in runners:
+            runners["A"].finish()
     finally:
-        for runner in runners.values():
-            runner.close()
+        close_all(runners)
         shutil.rmtree(storage, ignore_errors=True)
+    walls = blocks.walls
 
     result = {s: {**summarise(runners[s].steps, args.warmup), "wall_s_per_step": median(walls[s])} for s in sides}
     if "A" in result:  # where the trainer's step goes: TrainStack.train on rank 0, and records -> rows
-        measured = runners["A"].steps[args.warmup:]
+        measured = list(runners["A"].steps.values())[args.warmup:]
         result["A"]["stack_s_per_step"] = median([m["stack"] for m in measured])
         result["A"]["data_s_per_step"] = median([m["data"] for m in measured])
     print(f"\nSFT throughput, median over {args.blocks} x {args.block_steps} steps per side after {args.warmup} warm-up "

@@ -93,12 +93,14 @@ def test_no_server_binds_all_interfaces_in_the_source():
 
 
 def test_serve_http_is_off_by_default_and_loopback_when_on(monkeypatch):
-    from unirl_ray.rewards import service
+    from ray import serve
+
+    from unirl_ray.runtime.serve import start_serve
 
     calls = []
-    monkeypatch.setattr(service.serve, "start", lambda **kwargs: calls.append(kwargs))
-    service.start_serve()
-    service.start_serve(http_port=8123)
+    monkeypatch.setattr(serve, "start", lambda **kwargs: calls.append(kwargs))
+    start_serve()
+    start_serve(http_port=8123)
     assert calls[0] == {"proxy_location": "Disabled"}
     assert calls[1]["http_options"] == {"host": "127.0.0.1", "port": 8123}
 

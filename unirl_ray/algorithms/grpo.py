@@ -56,6 +56,7 @@ import torch
 from unirl_ray.algorithms.advantages import group_advantages
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
 from unirl_ray.algorithms.off_policy import OffPolicyCorrection, correction_stats
+from unirl_ray.config.checks import check_choice, check_literal_args
 from unirl_ray.core.sample import Sample, TextPart
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,6 @@ logger = logging.getLogger(__name__)
 AdvantageEstimator = Literal["grpo", "rloo"]
 LossAggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-_ESTIMATORS = ("grpo", "rloo")
-_AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
-_KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -166,7 +164,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimato
     if estimator == "k3":
         log_r = log_r.clamp(-20.0, 20.0)
         return torch.exp(log_r) - 1 - log_r
-    raise ValueError(f"kl_estimator must be one of {_KL_ESTIMATORS}, got {estimator!r}")
+    check_choice("kl_estimator", estimator, KLEstimator)
+    raise AssertionError(f"kl_estimator {estimator!r} has no formula")
 
 
 def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -237,18 +236,13 @@ class GRPO(StageAlgorithm):
         self.off_policy = OffPolicyCorrection.of(off_policy)
         if not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"group_size must be an int >= 2 (group-relative advantages), got {group_size!r}")
-        if advantage_estimator not in _ESTIMATORS:
-            raise ValueError(f"advantage_estimator must be one of {_ESTIMATORS}, got {advantage_estimator!r}")
-        if loss_aggregation not in _AGGREGATIONS:
-            raise ValueError(f"loss_aggregation must be one of {_AGGREGATIONS}, got {loss_aggregation!r}")
+        check_literal_args(GRPO.__init__, type(self).__name__, locals())
         if loss_norm_tokens is not None and loss_norm_tokens < 1:
             raise ValueError(f"loss_norm_tokens must be >= 1 (or None: the pipeline's max_new_tokens), got {loss_norm_tokens}")
         if not (0 < clip_low < 1 and clip_high > 0):
             raise ValueError(f"need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
         if kl_beta < 0:
             raise ValueError(f"kl_beta must be >= 0 (0 disables the KL term), got {kl_beta}")
-        if kl_estimator not in _KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {_KL_ESTIMATORS}, got {kl_estimator!r}")
         if loss_norm_tokens is not None and loss_aggregation != "seq_mean_token_sum_norm":
             logger.warning("GRPO: loss_norm_tokens is only used by loss_aggregation='seq_mean_token_sum_norm'; ignored")
         self.group_size = group_size

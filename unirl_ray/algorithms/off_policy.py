@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import torch
 
+from unirl_ray.config.checks import check_literal_fields
+
 CorrectionMode = Literal["none", "decoupled"]
 CapPolicy = Literal["truncate", "mask"]
 
@@ -43,10 +45,7 @@ class OffPolicyCorrection:
     """What happens above ``is_cap``: ``truncate`` the weight to the cap, or ``mask`` the unit out of the loss."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("none", "decoupled"):
-            raise ValueError(f"off_policy.mode must be 'none' or 'decoupled', got {self.mode!r}")
-        if self.cap_policy not in ("truncate", "mask"):
-            raise ValueError(f"off_policy.cap_policy must be 'truncate' or 'mask', got {self.cap_policy!r}")
+        check_literal_fields(self, "off_policy")
         if self.is_cap is not None and not self.is_cap >= 1.0:
             raise ValueError(f"off_policy.is_cap must be >= 1 (or null for no cap), got {self.is_cap}")
 

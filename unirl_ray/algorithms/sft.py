@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.config.checks import check_literal_args
 from unirl_ray.core.sample import Sample
 from unirl_ray.data.sft_examples import SFTImagePart, SFTTextPart, pack_rows
 
@@ -79,8 +80,7 @@ class SFT(StageAlgorithm):
             pipeline: The built ``pipeline:`` section (injected).
         """
         super().__init__(pipeline=pipeline)
-        if timestep_sampling not in ("logit_normal", "uniform"):
-            raise ValueError(f"timestep_sampling must be 'logit_normal' or 'uniform', got {timestep_sampling!r}")
+        check_literal_args(SFT.__init__, type(self).__name__, locals())
         if not logit_std > 0:
             raise ValueError(f"logit_std must be > 0, got {logit_std}")
         if not 0.0 <= caption_dropout < 1.0:

@@ -14,8 +14,9 @@ cluster can restrict them to an allow-list of module prefixes (``allowed_target_
 environment variable ``UNIRL_ALLOWED_TARGET_PREFIXES=unirl_ray.,my_pkg.`` read by the trainers). The
 allow-list also holds for the import paths a recipe names under an ``fn`` key (reward functions).
 
-``validate_targets`` also checks scalar types against each target's annotations (an ``int`` field
-given ``"abc"`` or ``1.5`` is refused with the key named), so wrong types fail before anything runs.
+``validate_targets`` also checks scalar types and ``Literal`` choices against each target's annotations
+(an ``int`` field given ``"abc"`` or ``1.5`` is refused with the key named), so wrong types fail before
+anything runs; the helpers are ``unirl_ray.config.checks``, which components also call on construction.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ import logging
 import pkgutil
 import os
 import re
-import types
-import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from unirl_ray.config.checks import allowed_kinds, describe_kinds, type_hints, value_fits
 
 logger = logging.getLogger(__name__)
 
@@ -403,78 +404,20 @@ def _check_signature(
             )
 
 
-_SCALARS: dict[type, str] = {
-    bool: "a boolean (true/false)",
-    int: "an int (a whole number)",
-    float: "a number",
-    str: "a string (quote it in YAML)",
-}
-
-
-def _type_hints(fn: Any) -> dict[str, Any]:
-    """Resolved annotations of ``fn``'s parameters (a class: its dataclass fields or ``__init__``)."""
-    try:
-        if inspect.isclass(fn):
-            hints = typing.get_type_hints(fn) if hasattr(fn, "__dataclass_fields__") else {}
-            return hints or typing.get_type_hints(fn.__init__)
-        return typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: the component checks its own values
-        return {}
-
-
-def _allowed_kinds(annotation: Any) -> tuple[list[Any], list[Any]] | None:
-    """``(scalar types, literal choices)`` an annotation allows; None if it is not that simple."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        return [], list(typing.get_args(annotation))
-    if origin in (typing.Union, types.UnionType):
-        scalars: list[Any] = []
-        choices: list[Any] = []
-        for arm in typing.get_args(annotation):
-            if arm is type(None):
-                continue
-            inner = _allowed_kinds(arm)
-            if inner is None:
-                return None
-            scalars += inner[0]
-            choices += inner[1]
-        return scalars, choices
-    if annotation in _SCALARS:
-        return [annotation], []
-    return None
-
-
-def _value_fits(value: Any, scalars: list[Any], choices: list[Any]) -> bool:
-    if any(value == c and type(value) is type(c) for c in choices):
-        return True
-    for kind in scalars:
-        if kind is bool and isinstance(value, bool):
-            return True
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True
-        if kind is str and isinstance(value, str):
-            return True
-    return False
-
-
 def _check_types(fn: Any, node: Mapping[str, Any], path: str) -> None:
     """Scalar recipe values must match the target's ``bool``/``int``/``float``/``str``/``Literal``
     annotations (``None`` and nested targets are left to the component)."""
-    hints = _type_hints(fn)
+    hints = type_hints(fn)
     for key, value in node.items():
         if key in RESERVED_KEYS or key not in hints or value is None:
             continue
         if isinstance(value, dict) and TARGET_KEY in value:
             continue
-        allowed = _allowed_kinds(hints[key])
-        if allowed is None or _value_fits(value, *allowed):
+        allowed = allowed_kinds(hints[key])
+        if allowed is None or value_fits(value, *allowed):
             continue
-        scalars, choices = allowed
-        wanted = [_SCALARS[k] for k in scalars] + ([f"one of {choices}"] if choices else [])
         raise RecipeError(
-            f"`{_join(path, key)}` must be {' or '.join(wanted)}, got {value!r}"
+            f"`{_join(path, key)}` must be {describe_kinds(*allowed)}, got {value!r}"
             f" ({type(value).__name__}); fix it in the recipe or override it: {_join(path, key)}=..."
         )
 

@@ -13,7 +13,6 @@ keep the full sample in their rollout cache and look it up by ``sample_id``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,10 +139,6 @@ class Sample:
     @property
     def is_light(self) -> bool:
         return any(p.is_light for p in self.parts)
-
-    @property
-    def has_valid_reward(self) -> bool:
-        return self.reward is not None and math.isfinite(self.reward)
 
 
 @dataclass(kw_only=True)

@@ -25,12 +25,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.data.sft_examples import ImageExampleBuilder, TextExampleBuilder
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("messages", "prompt_completion", "text", "image_caption")
-"""Record formats (``auto`` picks one from the first record)."""
+_DETECT_ORDER = ("messages", "prompt_completion", "image_caption", "text")
+"""The record formats in the order ``format: auto`` tries them on the first record."""
 _KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 READ_NUM_CPUS = 0.25
 """CPUs each Ray Data read task asks for (so reads schedule next to Train workers on small machines)."""
@@ -79,10 +80,7 @@ class RecordSource:
     """Instead of ``eval_path``: hold out this fraction of ``path``'s records (by content hash) for evaluation."""
 
     def __post_init__(self) -> None:
-        if self.format not in ("auto", *FORMATS):
-            raise ValueError(f"data.format must be auto or one of {FORMATS}, got {self.format!r}")
-        if self.on_bad_record not in ("skip", "fail"):
-            raise ValueError(f"data.on_bad_record must be 'skip' or 'fail', got {self.on_bad_record!r}")
+        check_literal_fields(self, "data")
         if not isinstance(self.max_length, int) or self.max_length < 2:
             raise ValueError(f"data.max_length must be an int >= 2 (tokens per example), got {self.max_length!r}")
         if self.shuffle_buffer_size < 1:
@@ -131,10 +129,10 @@ class RecordSource:
                 "text": [f["text"]], "image_caption": [f["image"], f["caption"]]}[fmt]
 
     def _detect(self, first: dict[str, Any]) -> str:
-        for fmt in ("messages", "prompt_completion", "image_caption", "text"):
+        for fmt in _DETECT_ORDER:
             if all(name in first for name in self._required(fmt)):
                 return fmt
-        wanted = {fmt: self._required(fmt) for fmt in FORMATS}
+        wanted = {fmt: self._required(fmt) for fmt in _DETECT_ORDER}
         raise ValueError(
             f"cannot tell the record format of {self.files[0]}: its first record has fields {sorted(first)}; "
             f"expected one of {wanted} (or set data.format and the data.*_field names)"

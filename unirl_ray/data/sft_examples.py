@@ -31,10 +31,11 @@ import io
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from unirl_ray.config.checks import check_literal_args
 from unirl_ray.core.sample import Part
 
 SKIP_REASONS: tuple[str, ...] = (
@@ -151,14 +152,13 @@ class TextExampleBuilder:
         self,
         tokenizer: Any,
         *,
-        format: str,
+        format: Literal["messages", "prompt_completion", "text"],
         max_length: int,
         fields: dict[str, str],
         use_chat_template: bool = True,
         system_prompt: str | None = None,
     ) -> None:
-        if format not in ("messages", "prompt_completion", "text"):
-            raise ValueError(f"TextExampleBuilder: unknown text format {format!r}")
+        check_literal_args(TextExampleBuilder.__init__, "TextExampleBuilder", locals())
         if format == "messages" and not getattr(tokenizer, "chat_template", None):
             raise ValueError("messages records need a tokenizer with a chat_template; use prompt_completion or text records")
         if tokenizer.eos_token_id is None:

@@ -40,6 +40,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from unirl_ray.config.checks import check_literal_fields
+
 RewardFn = Callable[..., Sequence[Any]]
 
 _RESERVED_COLUMNS = ("images", "prompts")
@@ -232,8 +234,7 @@ class RewardConfig:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
-        if self.on_error not in ("fail", "skip"):
-            raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
+        check_literal_fields(self)
         if not isinstance(self.num_replicas, int) or self.num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {self.num_replicas!r}")
         if not isinstance(self.max_ongoing_requests, int) or self.max_ongoing_requests < 1:

@@ -32,6 +32,7 @@ import ray
 from ray import serve
 
 from unirl_ray.rewards.combine import RewardConfig, RewardError, combine, reward_metrics, score_one
+from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, start_serve
 from unirl_ray.runtime.timeouts import call_with_timeout as _call_with_timeout
 
 if TYPE_CHECKING:  # replicas never import torch through the Sample module
@@ -45,11 +46,6 @@ RETRY_BACKOFF_S = 1.0
 """Pause before the first retry of a failed reward request; doubled on each further retry."""
 RETRY_BACKOFF_MAX_S = 10.0
 """Longest pause between two retries."""
-
-
-SHUTDOWN_POLL_S = 0.2
-"""How often a stopping replica checks for requests still in flight (Serve's default, 2 s, made
-every app deletion wait ~2 s per replica even when idle; the timeout for in-flight work is unchanged)."""
 
 
 @serve.deployment(graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
@@ -156,17 +152,6 @@ def build_reward_app(config: RewardConfig | Mapping[str, Any]) -> serve.Applicat
         ray_actor_options=dict(cfg.ray_actor_options),
         max_ongoing_requests=cfg.max_ongoing_requests,
     ).bind(cfg.to_dict())
-
-
-def start_serve(http_port: int | None = None) -> None:
-    """Start Serve with HTTP off (default), or with one proxy bound to 127.0.0.1:``http_port``.
-
-    If Serve already runs in this cluster its settings are kept (Serve logs a warning).
-    """
-    if http_port is None:
-        serve.start(proxy_location="Disabled")
-    else:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": int(http_port)})
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.weight_sync import StaleWeightsError, create_weight_store
 
@@ -45,15 +46,14 @@ class DedicatedRollout:
     """Longest wait for one engine call or for the app to become ready."""
     max_retries: int = 3
     """Retries of a failed engine call (e.g. a replica that died) before the step fails."""
-    placement: str = "separate"
+    placement: Literal["separate", "colocated"] = "separate"
     """``separate``: the engine has its own devices and stays resident. ``colocated``: the engine shares
     the train workers' devices (e.g. ``num_gpus: 0.5`` on both sides) and they take turns: before a
     rollout the workers offload parameters, gradients and optimizer state and the engine wakes (and
     loads the latest weights); after it the engine sleeps and the workers onload."""
 
     def __post_init__(self) -> None:
-        if self.placement not in ("separate", "colocated"):
-            raise ValueError(f"rollout.placement must be 'separate' or 'colocated', got {self.placement!r}")
+        check_literal_fields(self, "rollout")
         if self.engine not in _ENGINES:
             raise ValueError(f"rollout.engine must be one of {sorted(_ENGINES)}, got {self.engine!r}")
         if self.engine_kwargs and self.engine == "hf":
@@ -90,8 +90,8 @@ class DedicatedEngine:
         from ray import serve
 
         from unirl_ray.config.recipe import locate
+        from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, start_serve
         from unirl_ray.runtime.timeouts import call_with_timeout
-        from unirl_ray.rewards.service import SHUTDOWN_POLL_S, start_serve
         from unirl_ray.runtime.train_group import NAMESPACE
 
         start_serve(None)

@@ -16,9 +16,8 @@ from typing import Any, Iterator, Literal
 import numpy as np
 import torch
 
+from unirl_ray.config.checks import check_literal_args
 from unirl_ray.core.sample import Sample
-
-_SAMPLING_POLICIES = ("auto", "trainable", "shadow")
 
 
 class TrainsideRollout:
@@ -41,8 +40,7 @@ class TrainsideRollout:
         """
         if micro_batch_size < 1:
             raise ValueError(f"rollout.micro_batch_size must be >= 1, got {micro_batch_size}")
-        if sampling_policy not in _SAMPLING_POLICIES:
-            raise ValueError(f"rollout.sampling_policy must be one of {_SAMPLING_POLICIES}, got {sampling_policy!r}")
+        check_literal_args(TrainsideRollout.__init__, "rollout", locals())
         has_shadow = getattr(backend, "ema_lora_cfg", None) is not None
         if sampling_policy == "shadow" and not has_shadow:
             raise ValueError(

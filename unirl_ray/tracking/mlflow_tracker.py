@@ -386,13 +386,6 @@ class MLflowTracker:
             lambda: self._write_local(artifact_file, json.dumps(dict(data), default=str)),
         )
 
-    def log_recipe(self, cfg: Any) -> None:
-        """Log a resolved recipe: flattened params and the YAML text as ``recipe.yaml``."""
-        from unirl_ray.config.recipe import flatten, to_yaml
-
-        self.log_params(flatten(cfg))
-        self.log_text(to_yaml(cfg), "recipe.yaml")
-
     def log_images(
         self, step: int, images: Sequence[np.ndarray], captions: Sequence[str], key: str = "samples"
     ) -> None:

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.core.dtypes import TORCH_DTYPES
 
 _DTYPES = tuple(TORCH_DTYPES)
@@ -38,10 +39,7 @@ class FSDPConfig:
     ``CPUOffloadPolicy``): the optimizer steps on CPU, parameters are copied to the device per use."""
 
     def __post_init__(self) -> None:
-        if self.fsdp_mode not in ("full", "hybrid", "no_shard"):
-            raise ValueError(
-                f"FSDPConfig.fsdp_mode must be 'full', 'hybrid' or 'no_shard', got {self.fsdp_mode!r}"
-            )
+        check_literal_fields(self)
         if self.fsdp_mode == "hybrid":
             if self.hsdp_shard_size is None or int(self.hsdp_shard_size) < 1:
                 raise ValueError(
@@ -96,7 +94,8 @@ class LoraConfig:
             raise ValueError("LoraConfig.target_modules is empty: name the modules that get adapters")
 
 
-_EMA_TIMINGS = ("rollout_end", "optimizer_step")
+EmaTiming = Literal["rollout_end", "optimizer_step"]
+"""When an EMA shadow is updated: once per train step (``rollout_end``) or after every optimizer step."""
 
 
 def _check_adapter_name(owner: str, field_name: str, value: str) -> None:
@@ -139,10 +138,11 @@ class EmaLoraConfig:
     """``ramp``: decay added per update after the flat phase."""
     ema_uphold: float = 0.5
     """``ramp``: ceiling of the decay (in [0, 1])."""
-    timing: Literal["rollout_end", "optimizer_step"] = "rollout_end"
+    timing: EmaTiming = "rollout_end"
     """When the shadow is updated: once per train step (end of ``TrainStack.train``) or after every optimizer step."""
 
     def __post_init__(self) -> None:
+        check_literal_fields(self)
         if self.rank < 1:
             raise ValueError(f"EmaLoraConfig.rank must be >= 1, got {self.rank}")
         if not (0.0 <= self.dropout < 1.0):
@@ -156,10 +156,6 @@ class EmaLoraConfig:
                 f"EmaLoraConfig.default_adapter and shadow_adapter are both {self.default_adapter!r}: "
                 "give the shadow adapter its own name (e.g. 'old')"
             )
-        if self.ema_decay_type not in ("constant", "ramp"):
-            raise ValueError(f"EmaLoraConfig.ema_decay_type must be 'constant' or 'ramp', got {self.ema_decay_type!r}")
-        if self.timing not in _EMA_TIMINGS:
-            raise ValueError(f"EmaLoraConfig.timing must be one of {_EMA_TIMINGS}, got {self.timing!r}")
         for name in ("ema_decay", "ema_uphold"):
             if not (0.0 <= getattr(self, name) <= 1.0):
                 raise ValueError(f"EmaLoraConfig.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -205,16 +201,15 @@ class EmaFullConfig:
     """Decay once warmed up (in [0, 1])."""
     decay_warmup: bool = True
     """Use decay(i) = min(target_decay, (1 + i) / (10 + i)) so early updates track the fast-moving weights."""
-    timing: Literal["rollout_end", "optimizer_step"] = "optimizer_step"
+    timing: EmaTiming = "optimizer_step"
     """When the shadow is updated: after every optimizer step, or once per train step."""
     shadow_prefix: str = "shadow_"
     """Prefix of the shadow's leaf name: parameter ``a.b.weight`` has shadow ``a.b.shadow_weight`` in checkpoints."""
 
     def __post_init__(self) -> None:
+        check_literal_fields(self)
         if not (0.0 <= self.target_decay <= 1.0):
             raise ValueError(f"EmaFullConfig.target_decay must be in [0, 1], got {self.target_decay}")
-        if self.timing not in _EMA_TIMINGS:
-            raise ValueError(f"EmaFullConfig.timing must be one of {_EMA_TIMINGS}, got {self.timing!r}")
         _check_adapter_name("EmaFullConfig", "shadow_prefix", self.shadow_prefix)
 
     def decay(self, update_index: int) -> float:
@@ -261,8 +256,7 @@ class LrSchedulerConfig:
     """Floor of the decay as a fraction of the peak."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("constant", "linear", "cosine"):
-            raise ValueError(f"LrSchedulerConfig.kind must be constant, linear or cosine, got {self.kind!r}")
+        check_literal_fields(self)
         if self.warmup_steps < 0:
             raise ValueError(f"LrSchedulerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.kind != "constant" and not self.total_steps:

@@ -32,8 +32,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.config.recipe import RecipeError
 from unirl_ray.core.sample import Sample
 from unirl_ray.trainer.ar import ARTrainer
@@ -54,7 +55,7 @@ class AsyncConfig:
 
     max_staleness: int = 1
     """Most policy versions a trained-on sample may lag the trainer's weights (0: synchronous)."""
-    partial_rollout: str = "finish"
+    partial_rollout: Literal["finish", "resample"] = "finish"
     """A generation in flight when new weights are published: ``finish`` (it completes with the weights
     it started with; its samples carry that version) or ``resample`` (its samples are generated again
     with the new weights, same seeds)."""
@@ -64,8 +65,7 @@ class AsyncConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"async_rollout.max_staleness must be an int >= 0, got {self.max_staleness!r}")
-        if self.partial_rollout not in ("finish", "resample"):
-            raise ValueError(f"async_rollout.partial_rollout must be 'finish' or 'resample', got {self.partial_rollout!r}")
+        check_literal_fields(self, "async_rollout")
         if not self.wait_timeout_s > 0:
             raise ValueError(f"async_rollout.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
 

@@ -44,10 +44,6 @@ class TinyLMConfig:
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
     def vocab_size(self) -> int:
         """Special tokens + the printable-ASCII character set of the demo tokenizer."""
         return len(SPECIAL_TOKENS) + len(CHAR_VOCAB)

@@ -52,18 +52,15 @@ def load_scheduler_state(
     Python floats exact); if the recipe changed them, the rates are recomputed from the new peaks.
     """
     optimizer = scheduler.optimizer
-    state = meta.get("scheduler")
-    if state is None:  # checkpoints written before the schedule was saved in full
-        state = {"last_epoch": int(meta["scheduler_last_epoch"]), "base_lrs": None}
+    state = meta["scheduler"]
     scheduler.last_epoch = int(state["last_epoch"])
-    scheduler._step_count = int(state.get("step_count", scheduler.last_epoch + 1))
+    scheduler._step_count = int(state["step_count"])
     current = [float(x) for x in scheduler.base_lrs]
     if state["base_lrs"] == current:
         lrs = list(state["last_lr"])
     else:
-        if state["base_lrs"] is not None:
-            log.warning("learning rates changed since the checkpoint (%s -> %s): schedule rescaled",
-                        state["base_lrs"], current)
+        log.warning("learning rates changed since the checkpoint (%s -> %s): schedule rescaled",
+                    state["base_lrs"], current)
         lrs = [base * factor(scheduler.last_epoch) for base in current]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
@@ -72,7 +69,7 @@ def load_scheduler_state(
 
 def drop_absent(state: dict[str, Any], stored: set[str], *, rank: int, adapter_shadow: set[str]) -> set[str]:
     """Remove from a DCP ``state`` the optional entries the checkpoint lacks: this rank's RNG
-    (saved with fewer ranks, or by an older version) and EMA shadows (an EMA added since).
+    (saved with fewer ranks, or without this device's generator) and EMA shadows (an EMA added since).
     Returns the EMAs (``"full"``, ``"lora"``) that must restart from the loaded weights."""
     restart: set[str] = set()
     rng = state["rng"][rng_key(rank)]

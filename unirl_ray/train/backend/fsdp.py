@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from unirl_ray.config.checks import check_choice
 from unirl_ray.train.backend import checkpoint, dcp_io
 from unirl_ray.train.backend.ema import AdapterEma, MirrorEma, exchange_, local
 from unirl_ray.train.backend.lora import inject_lora, tuner_layers
@@ -40,6 +41,7 @@ from unirl_ray.train.backend.wrap import (
 from unirl_ray.train.configs import (
     EmaFullConfig,
     EmaLoraConfig,
+    EmaTiming,
     FSDPConfig,
     LoraConfig,
     LrSchedulerConfig,
@@ -208,10 +210,6 @@ class FSDPBackend:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.module.parameters() if p.requires_grad)
 
-    def num_trainable_parameters(self) -> int:
-        """Global count (sharded parameters counted once)."""
-        return sum(p.numel() for p in self.trainable_parameters())
-
     @contextlib.contextmanager
     def reference(self) -> Iterator[nn.Module]:
         """The frozen reference policy: adapters disabled (LoRA) or the initial copy (full)."""
@@ -273,12 +271,11 @@ class FSDPBackend:
         return {"grad_norm": float(norm), "lr": float(lr)}
 
     # -------------------------------------------------------------------- EMA
-    def update_ema(self, *, timing: str) -> dict[str, float]:
+    def update_ema(self, *, timing: EmaTiming) -> dict[str, float]:
         """Apply the EMA updates configured with this ``timing`` (``rollout_end``: once per train
         step, called by ``TrainStack.train``; ``optimizer_step``: by ``optimizer_step``).
         Returns the decays used, e.g. ``{"train/ema_lora_decay": 0.001}``."""
-        if timing not in ("rollout_end", "optimizer_step"):
-            raise ValueError(f"update_ema(timing=...) must be 'rollout_end' or 'optimizer_step', got {timing!r}")
+        check_choice("update_ema(timing=...)", timing, EmaTiming)
         out: dict[str, float] = {}
         for key, ema in (("lora", self.adapter_ema), ("full", self.mirror_ema)):
             if ema is not None and ema.cfg.timing == timing:
@@ -407,7 +404,6 @@ class FSDPBackend:
         dcp_io.save(self._dcp_state(), directory)
         return {
             "optimizer_steps": self.optimizer_steps,
-            "scheduler_last_epoch": self.scheduler.last_epoch,
             "scheduler": checkpoint.scheduler_state(self.scheduler),
             "ema_updates": {
                 "lora": self.adapter_ema.updates if self.adapter_ema else None,

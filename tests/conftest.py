@@ -1,8 +1,13 @@
-"""Test-wide environment (offline hubs, quiet Ray, no telemetry) and the ``ray_local`` fixture.
+"""Test-wide environment (offline hubs, quiet Ray, no telemetry), the markers, and the ``ray_local`` fixture.
+
+Markers (declared in pyproject.toml): ``e2e`` is set by the modules that run whole jobs (trainers on Ray
+Train + Serve + Data + MLflow, ``ray job submit``, the notebook); ``ray`` is added here to every test that
+starts Ray (it uses ``ray_local``, or lives in an ``e2e`` module); ``gpu`` by the tests that need CUDA. The
+fast lane is ``pytest -m "not e2e"``.
 
 ``ray_local`` (module-scoped): a local Ray for the test module, 8 logical CPUs on however many cores
 the machine has (so fractional Serve / Data / Train requests schedule on 2-core machines), no
-dashboard, usage stats off, Hugging Face offline. Serve apps left running are shut down with the
+dashboard, usage stats off, Hugging Face offline. Serve apps left running are deleted with the
 module. Consecutive modules that all use ``ray_local`` share one Ray (starting and stopping Ray
 costs seconds per module); it is shut down after the last module of such a run, so a module that
 starts its own Ray (a head via the CLI, a notebook kernel) or none never finds one left behind, and
@@ -30,6 +35,22 @@ for key, value in {
     os.environ.setdefault(key, value)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Mark the Ray tests, and order the modules: those without Ray first (quick failures come early),
+    then every module on ``ray_local`` in a row (they share one Ray), then those that start their own."""
+    uses_ray_local = {item.module for item in items if "ray_local" in item.fixturenames}
+    for item in items:
+        if item.module in uses_ray_local or item.get_closest_marker("e2e") is not None:
+            item.add_marker(pytest.mark.ray)
+
+    def group(item) -> int:
+        if item.module in uses_ray_local:
+            return 1
+        return 2 if item.get_closest_marker("ray") is not None else 0
+
+    items.sort(key=group)  # stable: the order within a group (and within a module) is kept
+
+
 def _next_module_uses_ray_local(request) -> bool:
     """Whether the test after this module's last one (in run order) belongs to a module using ``ray_local``."""
     items = request.session.items
@@ -50,14 +71,19 @@ def ray_local(request):
     try:
         yield ray
     finally:
+        # a failed test may have left work behind (a Ray Train run, actors): the next module starts clean
+        keep = request.session.testsfailed == failed_before and _next_module_uses_ray_local(request)
         if "ray.serve" in sys.modules:
             from ray import serve
 
-            try:
-                serve.shutdown()  # no Serve app (or controller) of this module reaches the next one
+            try:  # no Serve app of this module reaches the next one; a kept Ray keeps its Serve controller
+                if keep:
+                    for name in serve.status().applications:
+                        serve.delete(name)
+                else:
+                    serve.shutdown()
             except Exception:  # noqa: BLE001 - best effort; ray.shutdown() ends everything
-                pass
-        # a failed test may have left work behind (a Ray Train run, actors): the next module starts clean
-        if request.session.testsfailed != failed_before or not _next_module_uses_ray_local(request):
+                keep = False
+        if not keep:
             ray.shutdown()
 

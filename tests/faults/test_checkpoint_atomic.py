@@ -11,19 +11,18 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from unirl_ray.config.recipe import load_recipe
+import support
+
 from unirl_ray.trainer.ar import ARTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "tiny", "char_grpo_direct.yaml")
+RECIPE = support.recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 
 
 def make(tmp_path, steps):
-    return ARTrainer(load_recipe(RECIPE, [
-        "trainer.run_name=atomic", f"trainer.storage_path={tmp_path}", f"trainer.num_steps={steps}",
-        "trainer.checkpoint_every=2", "tracking.experiment_name=faults", "tracking.log_samples_every=0",
-        "ray.scaling.num_workers=1"]))
+    return support.make(ARTrainer, RECIPE, tmp_path, "atomic", f"trainer.num_steps={steps}", "trainer.checkpoint_every=2",
+                        "tracking.log_samples_every=0", "ray.scaling.num_workers=1", experiment="faults")
 
 
 def kill_when_folder_appears(folder, pid, done):

@@ -10,47 +10,25 @@ stream, tiny models built from config, a real MLflow store):
   version's samples (tagged), ``resample`` regenerates them with the new weights.
 """
 
-import os
 import sys
 
 import numpy as np
 import pytest
-from mlflow.tracking import MlflowClient
+import support
+from support import history, record_training
 
-from unirl_ray.config.recipe import load_recipe
 from unirl_ray.trainer.ar import ARTrainer
 from unirl_ray.trainer.async_rl import AsyncARTrainer, AsyncDiffusionTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
-AR_ASYNC = os.path.join(ROOT, "ar", "tiny", "char_grpo_async.yaml")
-SD3_ASYNC = os.path.join(ROOT, "diffusion", "sd3", "sd3_tiny_flowgrpo_async.yaml")
+AR_ASYNC = support.recipe_path("ar", "tiny", "char_grpo_async.yaml")
+SD3_ASYNC = support.recipe_path("diffusion", "sd3", "sd3_tiny_flowgrpo_async.yaml")
 
 
 def make(cls, recipe, tmp_path, name, *overrides, drop=()):
-    cfg = load_recipe(recipe, [f"trainer.run_name={name}", f"trainer.storage_path={tmp_path}",
-                               "tracking.experiment_name=e2e-async", "tracking.log_samples_every=0", *overrides])
-    for section in drop:
-        del cfg[section]
-    return cls(cfg)
-
-
-def record_training(trainer):
-    """Wrap ``trainer.train``: (step, trainer weights version, [(sample_id, sample version)]) per train call."""
-    seen, original = [], trainer.train
-
-    def train(samples, *, seed):
-        seen.append((len(seen) + 1, trainer.policy_version, [(s.sample_id, s.policy_version) for s in samples]))
-        return original(samples, seed=seed)
-
-    trainer.train = train
-    return seen
-
-
-def history(trainer, key):
-    client = MlflowClient(trainer.tracker.tracking_uri)
-    return [m.value for m in sorted(client.get_metric_history(trainer.tracker.run_id, key), key=lambda m: m.step)]
+    return support.make(cls, recipe, tmp_path, name, "tracking.log_samples_every=0", *overrides, experiment="e2e-async",
+                        drop=drop)
 
 
 def test_async_ar_bounded_staleness_exact_accounting_and_learning(ray_local, tmp_path):

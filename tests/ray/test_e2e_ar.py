@@ -1,31 +1,36 @@
 """End to end on CPU for the AR trainer: 2 FSDP2 Ray Train workers (gloo), Serve reward, Ray Data
-prompts, MLflow; direct rollout and a dedicated HF engine on Ray Serve with versioned weight sync."""
+prompts, MLflow; direct rollout, and a dedicated HF engine on Ray Serve with versioned weight sync,
+separate and colocated.
+
+The colocated engine takes turns with the train workers on the same devices (offload -> engine wakes,
+loads the latest version, generates, sleeps -> onload). On a CPU machine host and device are the same
+memory, so "freed" means what the mechanism does on a GPU: every device storage of the train state
+(parameters, gradients, AdamW moments) and of the engine's weights is released (resized to 0) while
+the other side runs; the bytes are checked. Its run must match the separate layout's numbers exactly
+(same seeds, same weights, same samples): the separate run is the one the replica-kill test drives.
+"""
 
 import os
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
+from support import artifacts, drive, history, kill_engine_replica, make, recipe_path
 
-from unirl_ray.config.recipe import load_recipe
 from unirl_ray.trainer.ar import ARTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "tiny")
+DIRECT = recipe_path("ar", "tiny", "char_grpo_direct.yaml")
+ENGINE = recipe_path("ar", "tiny", "char_grpo_engine.yaml")
+TIED = "+bundle.config.tiny={_target_: unirl_ray.models.causal_lm.TinyLMConfig, tie_word_embeddings: true}"
+ENGINE_STEPS, KILL_AT, COLOCATED_STEPS = 14, 8, 4
 
 
-def make(tmp_path, recipe, run_name, *overrides):
-    cfg = load_recipe(
-        os.path.join(RECIPES, recipe),
-        [f"trainer.run_name={run_name}", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e-ar", *overrides],
-    )
-    return ARTrainer(cfg)
-
-
-def history(trainer, key):
-    client = MlflowClient(trainer.tracker.tracking_uri)
-    return [m.value for m in sorted(client.get_metric_history(trainer.tracker.run_id, key), key=lambda m: m.step)]
+def engine_trainer(tmp_path, name, steps, *overrides):
+    # tied input/output embeddings: the engine must see the updated output layer too
+    return make(ARTrainer, ENGINE, tmp_path, name, f"trainer.num_steps={steps}", "trainer.checkpoint_every=100", TIED,
+                *overrides, experiment="e2e-ar")
 
 
 def assert_learned(trainer, steps):
@@ -35,18 +40,22 @@ def assert_learned(trainer, steps):
     assert last > first + 0.05, (first, last, rewards)
 
 
+def assert_workers_at_driver_priority(trainer):
+    # train workers run at the driver's priority (ray.worker_niceness=0; raising it needs root)
+    assert all(r["niceness"] == (0 if os.geteuid() == 0 else 15) for r in trainer.group.call("ping", {}))
+
+
 def test_direct_rollout_learns_and_logs_text(ray_local, tmp_path):
     trainer = make(
-        tmp_path, "char_grpo_direct.yaml", "direct", "trainer.num_steps=20", "tracking.log_samples_every=10",
-        f"+trainer.export_dir={tmp_path / 'export'}", "+trainer.export_register_as=char-lm",
+        ARTrainer, DIRECT, tmp_path, "direct", "trainer.num_steps=20", "tracking.log_samples_every=10",
+        f"+trainer.export_dir={tmp_path / 'export'}", "+trainer.export_register_as=char-lm", experiment="e2e-ar",
     )
     trainer.fit()
     assert_learned(trainer, 20)
     assert max(history(trainer, "rollout/logp_gap")) < 1e-4  # on-policy: trainer == rollout log-probs
     for key in ("rollout/response_len_mean", "perf/rollout_tokens_per_s", "algo/clip_frac", "train/loss"):
         assert history(trainer, key), key
-    artifacts = [a.path for a in MlflowClient(trainer.tracker.tracking_uri).list_artifacts(trainer.tracker.run_id, "samples")]
-    assert any(a.endswith("step_000010.json") for a in artifacts), artifacts
+    assert any(a.endswith("step_000010.json") for a in artifacts(trainer, "samples"))
     assert_exported(trainer, str(tmp_path / "export"), str(tmp_path / "after_fit"))
 
 
@@ -91,46 +100,65 @@ def chat_prompt_ids(prompt):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_dedicated_engine_syncs_versions_and_survives_a_replica_kill(ray_local, tmp_path):
-    # tied input/output embeddings: the engine must see the updated output layer too
-    trainer = make(
-        tmp_path, "char_grpo_engine.yaml", "engine", "trainer.num_steps=14",
-        "+bundle.config.tiny={_target_: unirl_ray.models.causal_lm.TinyLMConfig, tie_word_embeddings: true}",
-    )
-    status = "FAILED"
-    try:
-        start = trainer.setup()
-        assert start == 0 and trainer.engine.version == 0
-        for step in range(1, 15):
-            if step == 8:  # kill the engine replica: Serve replaces it, the new one pulls the latest weights
-                kill_engine_replica(trainer.engine)
-            metrics = trainer.run_step(step)
-            trainer.tracker.log_metrics(metrics, step=step)
-            assert metrics["weight_sync/version"] == step  # a new version after every train step
-            assert metrics["rollout/version_lag_max"] == 0
-            assert metrics["rollout/response_len_mean"] > 0
-            assert metrics["rollout/logp_gap"] < 1e-4, metrics["rollout/logp_gap"]  # engine == trainer log-probs
-            assert all(r["version"] == step for r in trainer.engine.status())
-        status = "FINISHED"
-    finally:
-        trainer.teardown(status)
-    assert_learned(trainer, 14)
+@pytest.fixture(scope="module")
+def separate_engine_run(ray_local, tmp_path_factory):
+    """The separate layout, ENGINE_STEPS steps, its replica SIGKILLed before step KILL_AT (Serve replaces
+    it; the new one pulls the latest weights). Checked after every step; yields (trainer, metrics per step)."""
+    trainer = engine_trainer(tmp_path_factory.mktemp("engine"), "engine", ENGINE_STEPS)
+
+    def check(step, metrics):
+        if step == 0:
+            assert trainer.engine.version == 0 and not trainer.engine.colocated
+            assert_workers_at_driver_priority(trainer)
+            return
+        assert metrics["weight_sync/version"] == step  # a new version after every train step
+        assert metrics["rollout/version_lag_max"] == 0
+        assert metrics["rollout/response_len_mean"] > 0
+        assert metrics["rollout/logp_gap"] < 1e-4, metrics["rollout/logp_gap"]  # engine == trainer log-probs
+        assert all(r["version"] == step for r in trainer.engine.status())
+        if step == KILL_AT - 1:
+            kill_engine_replica(trainer.engine)
+
+    yield trainer, drive(trainer, ENGINE_STEPS, check)
 
 
-def kill_engine_replica(engine):
-    """SIGKILL the replica's process, as a crash would."""
-    import signal
+def test_dedicated_engine_syncs_versions_and_survives_a_replica_kill(separate_engine_run):
+    trainer, metrics = separate_engine_run
+    assert len(metrics) == ENGINE_STEPS
+    assert_learned(trainer, ENGINE_STEPS)
 
-    os.kill(engine.status()[0]["replica"], signal.SIGKILL)
+
+def test_colocated_engine_takes_turns_and_matches_the_separate_layout(separate_engine_run, tmp_path):
+    trainer = engine_trainer(tmp_path, "colocated", COLOCATED_STEPS, "rollout.placement=colocated")
+
+    def check(step, metrics):
+        reports = trainer.engine.status()
+        if step == 0:
+            assert_workers_at_driver_priority(trainer)
+            assert all(r["asleep"] for r in reports)  # asleep while the workers start
+            return
+        assert all(r["asleep"] and r["version"] == step - 1 for r in reports), reports  # asleep during training
+        assert metrics["colocate/train_bytes_offloaded"] > 0
+        assert metrics["colocate/train_bytes_resident"] == 0  # nothing of the train state stays on the device
+        assert metrics["colocate/engine_bytes_freed"] > 0
+        assert metrics["rollout/logp_gap"] < 1e-4  # the woken engine serves exactly the trainer's weights
+        assert metrics["rollout/version_lag_max"] == 0
+
+    colocated = drive(trainer, COLOCATED_STEPS, check)
+    _, separate = separate_engine_run
+    for a, b in zip(colocated, separate[:COLOCATED_STEPS], strict=True):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "rollout/response_len_mean"):
+            assert a[key] == b[key], (key, a[key], b[key])
 
 
 def test_a_failed_worker_start_leaves_no_serve_app(ray_local, tmp_path):
-    """The separate engine deploys while the workers start; when the start fails, teardown waits for
-    that deploy and removes the engine and reward apps."""
+    """The engine and reward apps deploy while the workers start; when the start fails, teardown waits
+    for those deploys and removes the apps, and the workers that were still starting stop at once."""
     from ray import serve
 
-    trainer = make(tmp_path, "char_grpo_engine.yaml", "failed-start", "trainer.num_steps=2", "+ray.start_timeout_s=0.5")
+    trainer = make(ARTrainer, ENGINE, tmp_path, "failed-start", "trainer.num_steps=2", "+ray.start_timeout_s=0.5")
     with pytest.raises(TimeoutError, match="train workers started within"):
         trainer.fit()
     apps = serve.status().applications
     assert not [name for name in apps if name.startswith("failed-start-")], sorted(apps)
+    assert not trainer.group._thread.is_alive()  # the Ray Train run ended: nothing left starting

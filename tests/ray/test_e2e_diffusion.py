@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
+from support import concurrently, drive
 
 from unirl_ray.config.recipe import load_recipe
 from unirl_ray.trainer.diffusion import DiffusionTrainer
@@ -74,8 +75,9 @@ LORA = ("backend.lora_cfg={_target_: unirl_ray.train.configs.LoraConfig, rank: 4
 
 
 def test_resume_continues_run_and_data(ray_local, tmp_path):
-    straight = run(tmp_path, "straight", "trainer.num_steps=4", *LORA)
-    first = run(tmp_path, "resumed", "trainer.num_steps=2", *LORA)
+    straight, first = concurrently(  # independent runs at once (the straight one in its own MLflow store)
+        lambda: run(tmp_path / "straight", "straight", "trainer.num_steps=4", *LORA),
+        lambda: run(tmp_path, "resumed", "trainer.num_steps=2", *LORA))
     second = run(tmp_path, "resumed", "trainer.num_steps=4", *LORA)
 
     assert second.tracker.run_id == first.tracker.run_id  # one MLflow run, continued
@@ -106,17 +108,7 @@ def nft_steps(tmp_path, run_name, steps, *overrides):
         f"trainer.run_name={run_name}", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e",
         f"trainer.num_steps={steps}", "trainer.checkpoint_every=100", "tracking.log_samples_every=0",
         "ray.scaling.num_workers=1", *overrides])
-    trainer, history, status = DiffusionTrainer(recipe), [], "FAILED"
-    try:
-        trainer.setup()
-        for step in range(1, steps + 1):
-            metrics = trainer.run_step(step)
-            trainer.tracker.log_metrics(metrics, step=step)
-            history.append(metrics)
-        status = "FINISHED"
-    finally:
-        trainer.teardown(status)
-    return history
+    return drive(DiffusionTrainer(recipe), steps)
 
 
 def test_nft_raises_reward_through_the_trainer(ray_local, tmp_path):
@@ -124,8 +116,9 @@ def test_nft_raises_reward_through_the_trainer(ray_local, tmp_path):
     step): brightness rises by several times the untrained model's within-step spread; the same run with
     the reward negated makes the images darker, so the signal, not a drift, moves them."""
     steps = 14  # seen: +0.011 and -0.022 vs a spread of 0.0017; with 8 steps the negated run had not moved yet
-    up = nft_steps(tmp_path, "nft-up", steps)
-    down = nft_steps(tmp_path, "nft-down", steps, "reward.rewards.brightness.weight=-1.0")
+    up, down = concurrently(  # two 1-worker runs at once (their own MLflow stores)
+        lambda: nft_steps(tmp_path / "up", "nft-up", steps),
+        lambda: nft_steps(tmp_path / "down", "nft-down", steps, "reward.rewards.brightness.weight=-1.0"))
 
     def gain(history):
         brightness = [m["reward/brightness/mean"] for m in history]  # the raw score, before the weight

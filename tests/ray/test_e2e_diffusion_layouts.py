@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from mlflow.tracking import MlflowClient
+from support import artifacts, drive, logged
 
 from unirl_ray.config.recipe import load_recipe
 from unirl_ray.trainer.diffusion import DiffusionTrainer
@@ -27,30 +27,6 @@ def make(tmp_path, recipe, name, *overrides):
         f"trainer.run_name={name}", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e-layouts",
         "trainer.checkpoint_every=100", "tracking.log_samples_every=0", *overrides])
     return DiffusionTrainer(cfg)
-
-
-def run_steps(trainer, steps, check=None):
-    """setup, ``steps`` steps (metrics logged to MLflow, ``check(step, metrics)`` after each), teardown."""
-    status, history = "FAILED", []
-    try:
-        trainer.setup()
-        if check is not None:
-            check(0, {})
-        for step in range(1, steps + 1):
-            metrics = trainer.run_step(step)
-            trainer.tracker.log_metrics(metrics, step=step)
-            history.append(metrics)
-            if check is not None:
-                check(step, metrics)
-        status = "FINISHED"
-    finally:
-        trainer.teardown(status)
-    return history
-
-
-def logged(trainer, key):
-    client = MlflowClient(trainer.tracker.tracking_uri)
-    return {m.step: m.value for m in client.get_metric_history(trainer.tracker.run_id, key)}
 
 
 def lora_bytes(trainer):
@@ -84,7 +60,7 @@ def test_separate_layout_syncs_lora_to_every_replica_on_policy(ray_local, tmp_pa
             assert metrics["rollout/logp_gap"] < 1e-4, metrics["rollout/logp_gap"]  # engine == trainer
             assert 0.0 < metrics["reward/brightness/mean"] < 1.0  # the engine returned decoded images
 
-    history = run_steps(trainer, steps, check)
+    history = drive(trainer, steps, check)
     assert len(set(checksums)) == steps + 1  # every step moved the adapters and a new version reached the engine
     assert sorted(logged(trainer, "reward/mean")) == list(range(1, steps + 1))
     for key in ("train/loss", "timing/weight_sync", "algo/clip_frac"):
@@ -93,56 +69,63 @@ def test_separate_layout_syncs_lora_to_every_replica_on_policy(ray_local, tmp_pa
 
 CLIP = ("+reward.rewards.clip={fn: unirl_ray.rewards.image_model.CLIPScoreReward, weight: 0.5, "
         "kwargs: {tiny: true, device: cpu}, app: {num_replicas: 1, ray_actor_options: {num_cpus: 0.25}}}")
+EMA_EVAL = ("+backend.ema_full_cfg={_target_: unirl_ray.train.configs.EmaFullConfig, target_decay: 0.9}",
+            "+trainer.eval_every=2", "+trainer.eval_num_prompts=4")
+PLACED_STEPS = 4
 
 
-def test_image_model_reward_runs_as_its_own_app(ray_local, tmp_path):
+@pytest.fixture(scope="module")
+def placed_run(ray_local, tmp_path_factory):
+    """One trainside run for the reward-placement and the eval tests: a CLIP reward app of its own next to
+    the shared rule app, a mirror EMA evaluated on held-out prompts every 2 steps; checked after every step.
+    Yields (trainer, metrics per step, extra evaluations made after the last step)."""
     from ray import serve
 
-    steps = 2
-    trainer = make(tmp_path, "sd3_tiny_flowgrpo.yaml", "placed", f"trainer.num_steps={steps}", CLIP)
+    tmp_path = tmp_path_factory.mktemp("placed")
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("a red fox\na snowy owl\na green frog\na striped tiger\n")
+    trainer = make(tmp_path, "sd3_tiny_flowgrpo.yaml", "placed", f"trainer.num_steps={PLACED_STEPS}", CLIP, *EMA_EVAL,
+                   f"+trainer.eval_prompts={held_out}")
+    history, extra, status = [], {}, "FAILED"
+    try:
+        assert trainer.setup() == 0
+        for step in range(1, PLACED_STEPS + 1):
+            metrics = trainer.run_step(step)
+            trainer.tracker.log_metrics(metrics, step=step)
+            history.append(metrics)
+            apps = serve.status().applications
+            for name in ("placed-reward", "placed-reward-clip"):
+                assert name in apps and apps[name].status == "RUNNING", (name, sorted(apps))
+            assert [app.name for app in trainer.reward.apps] == ["placed-reward", "placed-reward-clip"]
+            assert ("eval/reward_mean" in metrics) == (step % 2 == 0), (step, sorted(metrics))
+        checksum = lambda: trainer.group.call("export_weights", {})[0]["checksum"]  # noqa: E731
+        before = checksum()
+        extra["ema"], extra["again"] = trainer.evaluate(PLACED_STEPS), trainer.evaluate(PLACED_STEPS)
+        extra["weights_unchanged"] = checksum() == before
+        trainer.run_cfg.eval_with_ema = False
+        extra["live"] = trainer.evaluate(PLACED_STEPS)
+        status = "FINISHED"
+    finally:
+        trainer.teardown(status)
+    yield trainer, history, extra
 
-    def check(step, metrics):
-        apps = serve.status().applications
-        for name in ("placed-reward", "placed-reward-clip"):
-            assert name in apps and apps[name].status == "RUNNING", (name, sorted(apps))
-        assert [app.name for app in trainer.reward.apps] == ["placed-reward", "placed-reward-clip"]
 
-    history = run_steps(trainer, steps, check)
+def test_image_model_reward_runs_as_its_own_app(placed_run):
+    trainer, history, _ = placed_run
     for m in history:  # weighted combination of the two apps' scores (no invalid samples)
         assert m["reward/mean"] == pytest.approx(m["reward/brightness/mean"] + 0.5 * m["reward/clip/mean"], abs=1e-6)
         assert -1.0 <= m["reward/clip/mean"] <= 1.0 and m["reward/clip/std"] > 0
     for key in ("reward/brightness/mean", "reward/clip/mean", "timing/reward/clip"):
-        assert sorted(logged(trainer, key)) == [1, 2], key
+        assert sorted(logged(trainer, key)) == list(range(1, PLACED_STEPS + 1)), key
 
 
-def test_eval_with_ema_is_periodic_deterministic_and_leaves_training_weights(ray_local, tmp_path):
-    steps = 4
-    held_out = tmp_path / "held_out.txt"
-    held_out.write_text("a red fox\na snowy owl\na green frog\na striped tiger\n")
-    trainer = make(tmp_path, "sd3_tiny_flowgrpo.yaml", "evaluated", f"trainer.num_steps={steps}",
-                   "+backend.ema_full_cfg={_target_: unirl_ray.train.configs.EmaFullConfig, target_decay: 0.9}",
-                   "+trainer.eval_every=2", f"+trainer.eval_prompts={held_out}", "+trainer.eval_num_prompts=4")
-    status, extra = "FAILED", {}
-    try:
-        trainer.setup()
-        for step in range(1, steps + 1):
-            metrics = trainer.run_step(step)
-            trainer.tracker.log_metrics(metrics, step=step)
-            assert ("eval/reward_mean" in metrics) == (step % 2 == 0), (step, sorted(metrics))
-        checksum = lambda: trainer.group.call("export_weights", {})[0]["checksum"]  # noqa: E731
-        before = checksum()
-        extra["ema"], extra["again"] = trainer.evaluate(steps), trainer.evaluate(steps)
-        assert checksum() == before  # the EMA swap restored the training weights bit for bit
-        trainer.run_cfg.eval_with_ema = False
-        extra["live"] = trainer.evaluate(steps)
-        status = "FINISHED"
-    finally:
-        trainer.teardown(status)
+def test_eval_with_ema_is_periodic_deterministic_and_leaves_training_weights(placed_run):
+    trainer, _, extra = placed_run
+    assert extra["weights_unchanged"]  # the EMA swap restored the training weights bit for bit
     assert extra["ema"]["eval/ema"] == 1.0 and extra["live"]["eval/ema"] == 0.0
     assert extra["ema"]["eval/reward_mean"] == extra["again"]["eval/reward_mean"]  # fixed eval seeds
     assert extra["ema"]["eval/reward_mean"] != extra["live"]["eval/reward_mean"]  # EMA weights differ from live ones
     evals = logged(trainer, "eval/reward_mean")
     assert sorted(evals) == [2, 4] and evals[4] == extra["ema"]["eval/reward_mean"]
     assert sorted(logged(trainer, "eval/reward/brightness/mean")) == [2, 4]
-    artifacts = [a.path for a in MlflowClient(trainer.tracker.tracking_uri).list_artifacts(trainer.tracker.run_id, "eval")]
-    assert any(a.endswith("step_000002.json") for a in artifacts), artifacts
+    assert any(a.endswith("step_000002.json") for a in artifacts(trainer, "eval"))

@@ -1,15 +1,16 @@
 """End to end on CPU for the SFT trainer: 2 FSDP2 Ray Train workers (gloo) reading their shards of a
 Ray Data dataset, MLflow, checkpoints and export. The tiny LM learns the shipped chat records and its
 export starts a GRPO run; a resumed run continues with exactly the records an uninterrupted one
-trains on (packing and bad records included); the tiny SD3 learns image-caption pairs."""
+trains on (packing and bad records included), and a worker killed mid-call replays the lost steps on
+the same records (one straight run, with that kill, serves both); the tiny SD3 learns image-caption pairs."""
 
 import json
 import os
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
+from support import attempts, kill_rank, logged
 
 from unirl_ray.config.recipe import load_recipe
 from unirl_ray.runtime.stack_worker import StackWorker
@@ -27,11 +28,6 @@ CHAT = os.path.join(os.path.dirname(__file__), "..", "..", "unirl_ray", "assets"
 def recipe(tmp_path, name, run_name, *overrides):
     return load_recipe(os.path.join(RECIPES, "sft", "tiny", name), [
         f"trainer.run_name={run_name}", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e-sft", *overrides])
-
-
-def history(trainer, key):
-    client = MlflowClient(trainer.tracker.tracking_uri)
-    return {m.step: m.value for m in client.get_metric_history(trainer.tracker.run_id, key)}
 
 
 def test_record_sources_read_jsonl_and_parquet_and_hold_out_a_fraction(ray_local, tmp_path):
@@ -65,15 +61,15 @@ def test_chat_sft_learns_then_grpo_starts_from_its_export(ray_local, tmp_path):
     sft = SFTTrainer(recipe(tmp_path, "char_chat_sft.yaml", "chat", "trainer.num_steps=30", "trainer.eval_every=15",
                             "trainer.eval_on_start=true", "trainer.checkpoint_every=30", f"+trainer.export_dir={export}"))
     sft.fit()
-    loss = history(sft, "train/loss")
+    loss = logged(sft, "train/loss")
     assert sorted(loss) == list(range(1, 31))
     first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (28, 29, 30)) / 3
     assert last < 0.6 * first, loss
-    evals = history(sft, "eval/loss")
+    evals = logged(sft, "eval/loss")
     assert sorted(evals) == [0, 15, 30] and evals[30] < evals[0]
     for key in ("perf/tokens_per_s", "train/lr", "train/grad_norm", "data/skipped_total", "timing/train"):
-        assert len(history(sft, key)) == 30, key
-    assert sum(history(sft, "data/records").values()) == 30 * 16
+        assert len(logged(sft, key)) == 30, key
+    assert sum(logged(sft, "data/records").values()) == 30 * 16
 
     # the export is a from_pretrained folder that the AR GRPO recipe starts from as it is
     grpo = ARTrainer(load_recipe(os.path.join(RECIPES, "ar", "tiny", "char_grpo_direct.yaml"), [
@@ -81,7 +77,7 @@ def test_chat_sft_learns_then_grpo_starts_from_its_export(ray_local, tmp_path):
         "tracking.log_samples_every=0", f"bundle.config.pretrained_model_path={export}"]))
     grpo.fit()
     assert not grpo.is_demo()
-    rewards = history(grpo, "reward/mean")
+    rewards = logged(grpo, "reward/mean")
     assert sorted(rewards) == [1, 2]
     # the SFT answers are full of "a" (a third of their characters): the untrained demo model scores ~0.01
     assert rewards[1] > 0.15, rewards
@@ -93,6 +89,7 @@ BAD_LINES = [
     json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}),
     json.dumps({"messages": [{"role": "user", "content": "x" * 90}, {"role": "assistant", "content": "a"}]}),
 ]
+KILLED_STEPS = 6
 
 
 def checkpoint_state(cfg, directory):
@@ -104,29 +101,71 @@ def checkpoint_state(cfg, directory):
     return {k: v.detach().clone() for k, v in worker.backend.module.state_dict().items()}, state
 
 
-def test_resume_continues_with_exactly_the_next_records(ray_local, tmp_path):
+@pytest.fixture(scope="module")
+def bad_records(tmp_path_factory):
+    """The shipped chat records with the BAD_LINES spread through the file, and the overrides that read them."""
     lines = open(CHAT).read().splitlines()
     for i, bad in enumerate(BAD_LINES):  # spread through the file
         lines.insert(7 * i + 3, bad)
-    data = tmp_path / "chat_with_bad.jsonl"
+    data = tmp_path_factory.mktemp("data") / "chat_with_bad.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    overrides = [f"data.path={data}", "data.packing=true", "data.eval_fraction=0.0", "trainer.eval_every=0",
-                 "trainer.batch_size=8", "trainer.checkpoint_every=3", "trainer.steps_per_call=2"]
-    runs = []  # one storage path (one MLflow store), two run names
-    for name, steps in (("straight", 6), ("split", 3), ("split", 6)):  # the second "split" resumes after step 3
-        runs.append(SFTTrainer(recipe(tmp_path, "char_chat_sft.yaml", name, f"trainer.num_steps={steps}", *overrides)))
-        runs[-1].fit()
-    straight, split = runs[0], runs[2]
-    assert split.tracker.run_id == runs[1].tracker.run_id  # resumed in the same MLflow run
-    for key in ("train/loss", "data/trained_tokens", "data/skipped_total", "data/epoch"):
-        assert history(split, key) == history(straight, key), key  # the same records, step by step
-    skipped = sum(history(straight, f"data/skipped_{r}")[s] for r in ("bad_json", "missing_field", "empty_text",
-                                                                     "no_trainable_tokens") for s in range(1, 7))
-    assert skipped >= 3  # 6 steps x 8 records cover most of the 36 records, bad ones included
-    assert history(straight, "data/epoch")[6] == 1  # crossed an epoch boundary after the resume point
+    return [f"data.path={data}", "data.packing=true", "data.eval_fraction=0.0", "trainer.eval_every=0",
+            "trainer.batch_size=8", "trainer.checkpoint_every=3"]
 
-    cfg = recipe(tmp_path, "char_chat_sft.yaml", "straight", *overrides)
-    want, want_state = checkpoint_state(cfg, tmp_path / "straight" / "checkpoint_000006")
+
+@pytest.fixture(scope="module")
+def killed(ray_local, tmp_path_factory, bad_records):
+    """The straight SFT run of this module: 6 steps over the records with bad lines, packed, a checkpoint
+    at step 3, one step per call; rank 1 is SIGKILLed while step 5 trains (step 4 already logged). Ray
+    Train restarts the group from the step-3 checkpoint and the feeds start again at its data cursor."""
+    storage = tmp_path_factory.mktemp("straight")
+    trainer = SFTTrainer(recipe(storage, "char_chat_sft.yaml", "straight", f"trainer.num_steps={KILLED_STEPS}",
+                                "trainer.steps_per_call=1", "++ray.max_failures=1", "ray.scaling.num_workers=2",
+                                *bad_records))
+    killed, original = [], trainer.train_steps
+
+    def train_steps(first, count):
+        if first == 5 and not killed:
+            killed.append(kill_rank(trainer, 1))
+        return original(first, count)
+
+    trainer.train_steps = train_steps
+    trainer.fit()
+    return trainer, storage, killed
+
+
+def test_sft_worker_killed_mid_call_replays_the_lost_steps_on_the_same_records(killed):
+    """Step 4's loss logged before the kill equals the one logged after it: the same records, the same result."""
+    trainer, _, pids = killed
+    assert pids and trainer.restarts == 1
+    losses = attempts(trainer, "train/loss")
+    assert sorted(losses) == list(range(1, KILLED_STEPS + 1))
+    assert len(losses[4]) == 2 and losses[4][0] == pytest.approx(losses[4][1], rel=1e-6)  # replayed exactly
+    assert all(len(v) == 1 for s, v in losses.items() if s != 4)
+    tokens = attempts(trainer, "data/trained_tokens")
+    assert tokens[4][0] == tokens[4][1] > 0  # the same records, from the checkpoint's data cursor
+
+
+def test_resume_continues_with_exactly_the_next_records(killed, bad_records, tmp_path):
+    """Stopped after step 3 and started again (two steps per call): the same records and numbers, step by
+    step, as the straight run (packing and bad records included), and the same final weights."""
+    straight, straight_dir, _ = killed
+    runs = []  # one storage path (one MLflow store); the second fit resumes after step 3
+    for steps in (3, 6):
+        runs.append(SFTTrainer(recipe(tmp_path, "char_chat_sft.yaml", "split", f"trainer.num_steps={steps}",
+                                      "trainer.steps_per_call=2", *bad_records)))
+        runs[-1].fit()
+    split = runs[1]
+    assert split.tracker.run_id == runs[0].tracker.run_id  # resumed in the same MLflow run
+    for key in ("train/loss", "data/trained_tokens", "data/skipped_total", "data/epoch"):
+        assert logged(split, key) == logged(straight, key), key  # the same records, step by step
+    skipped = sum(logged(straight, f"data/skipped_{r}")[s] for r in ("bad_json", "missing_field", "empty_text",
+                                                                    "no_trainable_tokens") for s in range(1, 7))
+    assert skipped >= 3  # 6 steps x 8 records cover most of the 36 records, bad ones included
+    assert logged(straight, "data/epoch")[6] == 1  # crossed an epoch boundary after the resume point
+
+    cfg = recipe(tmp_path, "char_chat_sft.yaml", "split", *bad_records)
+    want, want_state = checkpoint_state(cfg, straight_dir / "straight" / "checkpoint_000006")
     got, got_state = checkpoint_state(cfg, tmp_path / "split" / "checkpoint_000006")
     assert want_state["controller"]["data"] == got_state["controller"]["data"]
     for k in want:
@@ -137,7 +176,7 @@ def test_sd3_image_caption_sft_loss_falls(ray_local, tmp_path):
     sft = SFTTrainer(recipe(tmp_path, "sd3_caption_sft.yaml", "sd3", "trainer.num_steps=12", "trainer.eval_every=12",
                             "trainer.eval_on_start=true", "trainer.checkpoint_every=12"))
     sft.fit()
-    evals = history(sft, "eval/loss")  # fixed noise per held-out record: comparable across evaluations
+    evals = logged(sft, "eval/loss")  # fixed noise per held-out record: comparable across evaluations
     assert sorted(evals) == [0, 12] and evals[12] < 0.95 * evals[0], evals
-    assert len(history(sft, "perf/images_per_s")) == 12
-    assert history(sft, "data/images")[12] == 8
+    assert len(logged(sft, "perf/images_per_s")) == 12
+    assert logged(sft, "data/images")[12] == 8

@@ -1,12 +1,19 @@
-"""Exact resume through Ray Train checkpoints (``ray.train.report`` + DCP shards) on CPU.
+"""Exact resume and restart of the AR trainer through Ray Train checkpoints (``ray.train.report`` + DCP
+shards) on CPU, 2 FSDP2 ranks over gloo.
 
-Training straight to step 4 and training to step 2, stopping, and resuming to step 4 must give
-bit-identical parameters and optimizer state: every random choice is derived from (seed, step,
-index), the DCP checkpoint holds model, optimizer, scheduler, EMA and per-rank RNG state, and the
-controller state holds the data cursor. Resuming the same step-2 checkpoint on ONE worker instead
-of two (DCP reshards the FSDP2 shards) continues the same run: the mini-batch is counted over all
-ranks, so the math is the same, but gloo's two-rank gradient reduction adds in a different order
-than one rank does, so the parameters agree to float rounding, not bit for bit.
+One straight run serves every test here: GRPO to step 6 with a checkpoint every 2 steps, in which rank 1
+is SIGKILLed while step 6 trains. Ray Train restarts the worker group (``ray.max_failures``), the
+restarted workers load the step-4 checkpoint, the controller rewinds to it and runs steps 5 and 6 again:
+the same steps, prompts and numbers, one MLflow run, the restart counted. Its step-2 and step-4
+checkpoints were written before the kill, so they are those of an uninterrupted run.
+
+Training to step 2, stopping, and resuming to step 4 must give bit-identical parameters and optimizer
+state to that run: every random choice is derived from (seed, step, index), the DCP checkpoint holds
+model, optimizer, scheduler, EMA and per-rank RNG state, and the controller state holds the data
+cursor. Resuming the same step-2 checkpoint on ONE worker instead of two (DCP reshards the FSDP2
+shards) continues the same run: the mini-batch is counted over all ranks, so the math is the same, but
+gloo's two-rank gradient reduction adds in a different order than one rank does, so the parameters
+agree to float rounding, not bit for bit.
 """
 
 import json
@@ -15,9 +22,10 @@ import shutil
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
+from support import attempts, concurrently, fit, kill_rank, load, make, recipe_path
 
-from unirl_ray.config.recipe import load_recipe
 from unirl_ray.runtime.stack_worker import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
@@ -25,25 +33,15 @@ from unirl_ray.trainer.ar import ARTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "tiny", "char_grpo_direct.yaml")
+RECIPE = recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack")
-
-
-def recipe(storage, name, steps, *overrides):
-    return load_recipe(RECIPE, [f"trainer.run_name={name}", f"trainer.storage_path={storage}", f"trainer.num_steps={steps}",
-                                "trainer.checkpoint_every=2", "tracking.experiment_name=e2e-resume",
-                                "tracking.log_samples_every=0", *overrides])
-
-
-def fit(storage, name, steps, *overrides):
-    trainer = ARTrainer(recipe(storage, name, steps, *overrides))
-    trainer.fit()
-    return trainer
+COMMON = ("trainer.checkpoint_every=2", "tracking.log_samples_every=0", "ray.scaling.num_workers=2")
+STEPS = 6
 
 
 def trained_state(storage, name, step):
     """Parameters and AdamW state of the run's checkpoint at ``step``, loaded in this process."""
-    cfg = recipe(storage, name, step)
+    cfg = load(RECIPE, storage, name, f"trainer.num_steps={step}")
     directory = os.path.join(storage, name, f"checkpoint_{step:06d}")
     with open(os.path.join(directory, STATE_FILE)) as f:
         state = json.load(f)
@@ -57,26 +55,65 @@ def trained_state(storage, name, step):
     return params, moments, state
 
 
-def test_resume_is_exact_and_reshards_onto_fewer_workers(ray_local, tmp_path):
-    straight_dir, split_dir, reshard_dir = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    fit(straight_dir, "run", 4)
-    fit(split_dir, "run", 2)
-    shutil.copytree(split_dir, reshard_dir)  # the same step-2 checkpoint, resumed elsewhere on 1 worker
-    resumed = fit(split_dir, "run", 4)
-    assert resumed.prompt_log[0][0] == 3  # resumed after the saved step, in the same MLflow run
-    fit(reshard_dir, "run", 4, "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
+@pytest.fixture(scope="module")
+def killed(ray_local, tmp_path_factory):
+    """The straight run (see the module docstring): (trainer, storage, pids killed, first prompts per step)."""
+    storage = tmp_path_factory.mktemp("straight")
+    trainer = make(ARTrainer, RECIPE, storage, "killed", f"trainer.num_steps={STEPS}", *COMMON, "++ray.max_failures=1",
+                   "++ray.num_checkpoints_to_keep=null", experiment="faults")
+    pids, first_draw, original = [], {}, trainer.train
 
-    want_params, want_moments, want_state = trained_state(straight_dir, "run", 4)
-    got_params, got_moments, got_state = trained_state(split_dir, "run", 4)
+    def train(samples, *, seed):
+        step, prompts = trainer.prompt_log[-1]
+        first_draw.setdefault(step, prompts)
+        if step == STEPS and not pids:  # step 6's samples are out, its training starts
+            pids.append(kill_rank(trainer, 1))
+        return original(samples, seed=seed)
+
+    trainer.train = train
+    trainer.fit()
+    return trainer, storage, pids, first_draw
+
+
+def test_killed_worker_mid_step_is_restarted_and_the_run_ends_as_if_nothing_happened(killed):
+    trainer, _, pids, first_draw = killed
+    assert pids and trainer.restarts == 1 and trainer.policy_version == STEPS
+    assert [s for s, _ in trainer.prompt_log] == list(range(1, STEPS + 1))
+    assert dict(trainer.prompt_log) == first_draw  # the data cursor rewound: steps 5, 6 drew the same prompts
+    for key in ("reward/mean", "train/loss", "train/grad_norm"):
+        values = attempts(trainer, key)
+        assert sorted(values) == list(range(1, STEPS + 1)), key
+        assert len(values[5]) == 2 and values[5][0] == pytest.approx(values[5][1], rel=1e-6, abs=1e-9), key
+        assert all(len(v) == 1 for s, v in values.items() if s != 5), key
+    assert attempts(trainer, "fault/worker_group_restarts") == {4: [1.0]}  # rewound to the step-4 checkpoint
+    client = MlflowClient(trainer.tracker.tracking_uri)
+    exp = client.get_experiment_by_name("faults")
+    runs = client.search_runs([exp.experiment_id], "tags.mlflow.runName = 'killed'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+
+
+def test_resume_is_exact_and_reshards_onto_fewer_workers(killed, tmp_path):
+    _, straight_dir, _, _ = killed
+    split_dir, reshard_dir = tmp_path / "b", tmp_path / "c"
+    fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=2", *COMMON, experiment="e2e-resume")
+    shutil.copytree(split_dir, reshard_dir)  # the same step-2 checkpoint, resumed elsewhere on 1 worker
+    resumed, _ = concurrently(  # the two resumes at once: separate folders, separate MLflow stores
+        lambda: fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=4", *COMMON, experiment="e2e-resume"),
+        lambda: fit(ARTrainer, RECIPE, reshard_dir, "killed", "trainer.num_steps=4", *COMMON,
+                    "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2", experiment="e2e-resume"))
+    assert resumed.prompt_log[0][0] == 3  # resumed after the saved step, in the same MLflow run
+
+    want_params, want_moments, want_state = trained_state(straight_dir, "killed", 4)
+    got_params, got_moments, got_state = trained_state(split_dir, "killed", 4)
     assert want_state["controller"]["data"] == got_state["controller"]["data"]  # same prompts consumed
-    changed = trained_state(straight_dir, "run", 2)[0]
+    changed = trained_state(straight_dir, "killed", 2)[0]
     assert any(not torch.equal(want_params[k], changed[k]) for k in want_params)  # steps 3-4 did train
     for k in want_params:
         assert torch.equal(want_params[k], got_params[k]), k
     for a, b in zip(want_moments, got_moments, strict=True):
         assert torch.equal(a, b)
 
-    reshard_params, _, reshard_state = trained_state(reshard_dir, "run", 4)
+    reshard_params, _, reshard_state = trained_state(reshard_dir, "killed", 4)
     assert reshard_state["backend"]["world_size"] == 1
     for k in want_params:
         torch.testing.assert_close(reshard_params[k], want_params[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -141,76 +141,90 @@ def check_samples(pipeline, samples, reqs, version: int) -> None:
             assert n == pipeline.max_new_tokens
 
 
-@pytest.mark.parametrize("tied,weight_update", [(True, "iterator"), (False, "disk")])
-def test_vllm_logprobs_match_hf_across_updates(ray_local, tied, weight_update):
+@pytest.fixture(scope="module")
+def tied_engine(ray_local):
+    """One engine with tied embeddings (iterator updates) for the log-prob and the bad-update tests: a
+    ``FlakyEngine``, which serves like the plain engine unless an update changes its trigger weight."""
+    # a 32-token KV block lets the long prompt hit the prefix cache across versions
+    engine = Engine(ray_local, sections(True), {"weight_update": "iterator", "block_size": 32}, cls=_FlakyEngine)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def untied_disk_engine(ray_local):
+    engine = Engine(ray_local, sections(False), {"weight_update": "disk", "block_size": 32})
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vllm_logprobs_match_hf_across_updates(ray_local, request, tied):
     secs = sections(tied)
     bundle, pipeline = hf_side(secs)
     model = bundle.model
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    # a 32-token KV block lets the long prompt hit the prefix cache across versions
-    engine = Engine(ray_local, secs, {"weight_update": weight_update, "block_size": 32})
-    try:
-        assert engine.status()["version"] == -1
-        engine.load(0, params(model))
-        reqs = requests()
-        samples = engine.generate(reqs, 0)
-        check_samples(pipeline, samples, reqs, 0)
-        gap = max_gap(pipeline, model, samples)
-        assert gap < GAP, gap  # measured ~5e-7
-        # reproducible per sample: same seeds, same completions, in any batch composition
-        again = engine.generate(list(reversed(reqs)), 0)[::-1]
-        assert completions(again) == completions(samples)
-        assert completions(engine.generate(requests(seed0=1000), 0)) != completions(samples)
+    engine = request.getfixturevalue("tied_engine" if tied else "untied_disk_engine")
+    v = engine.status()["version"] + 1  # the tied engine may have served another test's versions
+    engine.load(v, params(model))
+    reqs = requests()
+    samples = engine.generate(reqs, v)
+    check_samples(pipeline, samples, reqs, v)
+    gap = max_gap(pipeline, model, samples)
+    assert gap < GAP, gap  # measured ~5e-7
+    # reproducible per sample: same seeds, same completions, in any batch composition
+    again = engine.generate(list(reversed(reqs)), v)[::-1]
+    assert completions(again) == completions(samples)
+    assert completions(engine.generate(requests(seed0=1000), v)) != completions(samples)
 
-        # version 1: perturbed weights (for tied embeddings: the shared matrix too, which is the output layer)
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "embed_tokens" in name or "layers.1" in name or "lm_head" in name:
-                    p.add_(0.1 * torch.randn_like(p))
-        engine.load(1, params(model))
-        samples = engine.generate(reqs, 1)  # same prompts: a stale prefix cache would show here
-        check_samples(pipeline, samples, reqs, 1)
-        gap = max_gap(pipeline, model, samples)
-        assert gap < GAP, gap  # measured ~2e-6 (a stale tied output layer or prefix cache: > 1)
-        _, stale = hf_side(secs)
-        assert max_gap(stale, stale.bundle.model, samples) > 1e-2  # the update really changed the model
-    finally:
-        engine.close()
+    # the next version: perturbed weights (for tied embeddings: the shared matrix too, which is the output layer)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name or "layers.1" in name or "lm_head" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    engine.load(v + 1, params(model))
+    samples = engine.generate(reqs, v + 1)  # same prompts: a stale prefix cache would show here
+    check_samples(pipeline, samples, reqs, v + 1)
+    gap = max_gap(pipeline, model, samples)
+    assert gap < GAP, gap  # measured ~2e-6 (a stale tied output layer or prefix cache: > 1)
+    _, stale = hf_side(secs)
+    assert max_gap(stale, stale.bundle.model, samples) > 1e-2  # the update really changed the model
 
 
-def test_vllm_bad_updates_keep_the_served_version(ray_local):
-    secs = sections(tied=True)
-    bundle, pipeline = hf_side(secs)
+def test_vllm_bad_updates_keep_the_served_version(tied_engine):
+    engine = tied_engine
+    bundle, pipeline = hf_side(sections(tied=True))
     model = bundle.model
-    engine = Engine(ray_local, secs, cls=_FlakyEngine)
-    try:
-        engine.load(0, params(model))
-        reqs = requests(repeats=1)
-        good = params(model)
-        bad_shape = dict(good, **{"model.norm.weight": torch.ones(7)})
-        unknown = dict(good, **{"model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)})
-        for bad, words in ((bad_shape, "wrong shapes"), (unknown, "lacks")):
-            with pytest.raises(Exception, match=words):
-                engine.load(1, bad)
-            assert engine.status()["version"] == 0
-        # a reload that dies halfway (after part of the layers were replaced): rolled back to v0
-        perturbed = {k: v + 0.3 * torch.randn_like(v) for k, v in good.items()}
-        with pytest.raises(Exception, match="still serving v0"):
-            engine.load(1, dict(perturbed, **{_FlakyEngine.TRIGGER: perturbed[_FlakyEngine.TRIGGER]}))
-        assert engine.status()["version"] == 0
-        samples = engine.generate(reqs, 0)
-        assert max_gap(pipeline, model, samples) < GAP
-        # LoRA adapters without a LoRA recipe are refused
-        adapters = {
-            "model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 64),
-            "model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.zeros(64, 4),
-        }
-        with pytest.raises(Exception, match="no backend.lora_cfg"):
-            engine.load(1, adapters)
-        assert engine.status()["version"] == 0
-    finally:
-        engine.close()
+    v = engine.status()["version"] + 1
+    engine.load(v, params(model))
+    reqs = requests(repeats=1)
+    good = params(model)
+    bad_shape = dict(good, **{"model.norm.weight": torch.ones(7)})
+    unknown = dict(good, **{"model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)})
+    for bad, words in ((bad_shape, "wrong shapes"), (unknown, "lacks")):
+        with pytest.raises(Exception, match=words):
+            engine.load(v + 1, bad)
+        assert engine.status()["version"] == v
+    # a reload that dies halfway (after part of the layers were replaced): rolled back to v
+    perturbed = {k: val + 0.3 * torch.randn_like(val) for k, val in good.items()}
+    with pytest.raises(Exception, match=f"still serving v{v}"):
+        engine.load(v + 1, dict(perturbed, **{_FlakyEngine.TRIGGER: perturbed[_FlakyEngine.TRIGGER]}))
+    assert engine.status()["version"] == v
+    samples = engine.generate(reqs, v)
+    assert max_gap(pipeline, model, samples) < GAP
+    # LoRA adapters without a LoRA recipe are refused
+    adapters = {
+        "model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 64),
+        "model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.zeros(64, 4),
+    }
+    with pytest.raises(Exception, match="no backend.lora_cfg"):
+        engine.load(v + 1, adapters)
+    assert engine.status()["version"] == v
 
 
 def test_vllm_merges_lora_adapters(ray_local):
@@ -250,9 +264,10 @@ def _flaky_engine_cls():
     from unirl_ray.rollout.engines.vllm import VLLMRolloutEngine
 
     class FlakyEngine(VLLMRolloutEngine):
-        """Fails a reload after applying half of the layers when ``TRIGGER`` changed."""
+        """Fails a reload after applying half of the layers when ``TRIGGER`` changed (the final norm, which
+        the log-prob test's updates leave alone)."""
 
-        TRIGGER = "model.layers.1.mlp.down_proj.weight"
+        TRIGGER = "model.norm.weight"
 
         def _reload(self, weights):
             if not torch.equal(weights[self.TRIGGER], self.served[self.TRIGGER]):
@@ -278,7 +293,7 @@ def test_ar_trainer_with_vllm_engine(ray_local, tmp_path, placement):
     from unirl_ray.config.recipe import load_recipe
     from unirl_ray.trainer.ar import ARTrainer
 
-    steps = 3 if placement == "colocated" else 4
+    steps = 2 if placement == "colocated" else 3
     cfg = load_recipe(
         os.path.join(RECIPES, "char_grpo_engine.yaml"),
         [

@@ -53,6 +53,15 @@ class CommandBroker:
         self.generations: dict[int, int] = {}
         self.ids = itertools.count(1)
         self.changed = asyncio.Condition()
+        self.closed = False
+
+    # ------------------------------------------------------------ shutdown
+    async def close(self) -> None:
+        """No more commands: every rank's next poll (and any rank that starts later) gets ``stop``."""
+        self.closed = True
+
+    async def is_closed(self) -> bool:
+        return self.closed
 
     # ---------------------------------------------------------------- workers
     async def announce(self, rank: int, info: dict[str, Any]) -> int:
@@ -68,6 +77,8 @@ class CommandBroker:
             return self.generations[rank]
 
     async def next_command(self, rank: int, timeout_s: float) -> dict[str, Any] | None:
+        if self.closed:
+            return {"id": 0, "op": "stop", "payload": None}
         try:
             return await asyncio.wait_for(self.queues[rank].get(), timeout=timeout_s)
         except asyncio.TimeoutError:

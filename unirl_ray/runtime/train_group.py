@@ -65,6 +65,7 @@ class TrainGroup:
         self._thread: threading.Thread | None = None
         self._fit_error: BaseException | None = None
         self._fit_result: Any = None
+        self._ready = False  # every rank announced (since the last start or restart)
 
     # ---------------------------------------------------------------- start
     def _trainer(self):
@@ -126,6 +127,7 @@ class TrainGroup:
                 raise WorkerError("train workers failed to build their models:\n" + "\n".join(errors))
             if len(infos) == self.world_size:
                 ray.get(self.broker.clear_announcements.remote(), timeout=30)
+                self._ready = True
                 return infos[0]
             self._check_alive()
             if time.monotonic() > deadline:
@@ -169,14 +171,23 @@ class TrainGroup:
         return results[0]["path"]
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Clean shutdown: ask the workers to return, then let ``fit()`` finish."""
+        """Clean shutdown: ask the workers to return, then let ``fit()`` finish.
+
+        A group that never finished starting (a start that timed out or failed) is closed instead:
+        ranks still starting return as soon as they reach the broker, before building their models.
+        """
         if self._thread is None or not self._thread.is_alive():
             return
         try:
-            cmd_id = ray.get(self.broker.submit.remote("stop", [None] * self.world_size), timeout=30)
-            ray.get(self.broker.collect.remote(cmd_id, timeout_s), timeout=timeout_s + 30)
+            if self._ready:
+                cmd_id = ray.get(self.broker.submit.remote("stop", [None] * self.world_size), timeout=30)
+                ray.get(self.broker.collect.remote(cmd_id, timeout_s), timeout=timeout_s + 30)
         except Exception as exc:  # the group may already be gone
             log.warning("stopping train workers: %s", exc)
+        try:  # ranks that did not take the stop (still starting, or restarting) get it from the closed broker
+            ray.get(self.broker.close.remote(), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - the broker may already be gone
+            log.warning("closing the command broker: %s", exc)
         self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
             log.warning("the Ray Train run did not end within %.0fs after stop", timeout_s)

@@ -166,6 +166,8 @@ def worker_main(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     topology = TrainTopology(world_size=world, rank=rank, dp_size=world, dp_rank=rank)
     broker = ray.get_actor(config["broker_name"], namespace=config["namespace"])
+    if ray.get(broker.is_closed.remote(), timeout=60):
+        return  # the controller gave up on this run (a failed start) before this worker came up
     torch.manual_seed(int(config.get("seed", 0)))
     try:
         worker = StackWorker(config["sections"], topology=topology, device=_device(config["use_gpu"]))

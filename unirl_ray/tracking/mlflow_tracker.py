@@ -95,6 +95,13 @@ def resolve_tracking_uri(config: TrackingConfig, run_root: str | Path) -> str:
     return f"sqlite:///{Path(run_root).resolve() / 'mlflow.db'}"
 
 
+def _set_env_defaults() -> None:
+    """No telemetry, and short HTTP timeouts / retries unless the user set their own."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    for key, value in HTTP_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 def sanitize_key(key: str) -> str:
     """Make ``key`` a valid MLflow metric/param name: bad characters -> ``_``, no empty segments."""
     text = _BAD_KEY_CHARS.sub("_", str(key))
@@ -164,6 +171,22 @@ class MLflowTracker:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def prepare(self, run_root: str) -> None:
+        """Open the store and its experiment ahead of ``start`` (a new SQLite store runs its schema
+        migrations here, seconds on a small machine), e.g. while the train workers start. Never raises:
+        a store that fails here is retried, and degraded if need be, by ``start``."""
+        if not self.config.enabled:
+            return
+        _set_env_defaults()
+        try:
+            from mlflow import MlflowClient
+
+            root = Path(run_root).resolve()
+            root.mkdir(parents=True, exist_ok=True)
+            self._experiment_id(root, MlflowClient(tracking_uri=resolve_tracking_uri(self.config, root)))
+        except Exception as exc:  # noqa: BLE001 - start() reports what is still wrong
+            logger.debug("preparing the MLflow store failed (start() retries): %s", exc)
+
     def start(
         self,
         run_root: str,
@@ -174,9 +197,7 @@ class MLflowTracker:
         """Open (or, with ``run_id``, resume) the run; return its id ("" if off or failed)."""
         if not self.config.enabled:
             return ""
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        for key, value in HTTP_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        _set_env_defaults()
         root = Path(run_root).resolve()
         root.mkdir(parents=True, exist_ok=True)
         self._local_dir = root / run_name
@@ -214,20 +235,21 @@ class MLflowTracker:
         )
         return run.info.run_id
 
-    def _experiment_id(self, root: Path) -> str:
+    def _experiment_id(self, root: Path, client: Any = None) -> str:
+        client = client or self._client
         name = self.config.experiment_name
-        experiment = self._client.get_experiment_by_name(name)
+        experiment = client.get_experiment_by_name(name)
         if experiment is not None:
             if experiment.lifecycle_stage == "deleted":
-                self._client.restore_experiment(experiment.experiment_id)
+                client.restore_experiment(experiment.experiment_id)
             return experiment.experiment_id
         location = self.config.artifact_location
-        if location is None and str(self._tracking_uri).startswith("sqlite:"):
+        if location is None and str(client.tracking_uri).startswith("sqlite:"):
             location = (root / "mlartifacts").as_uri()
         try:
-            return self._client.create_experiment(name, artifact_location=location)
-        except Exception:  # another process may have created it meanwhile
-            experiment = self._client.get_experiment_by_name(name)
+            return client.create_experiment(name, artifact_location=location)
+        except Exception:  # another process (or prepare() in a thread) may have created it meanwhile
+            experiment = client.get_experiment_by_name(name)
             if experiment is None:
                 raise
             return experiment.experiment_id

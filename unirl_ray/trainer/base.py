@@ -162,10 +162,16 @@ class BaseTrainer(ABC):
     def setup(self) -> int:
         """Join Ray, deploy services, start the workers, open tracking; returns the last done step."""
         print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
-        log.info("running on %s", ensure_ray(self.ray_cfg))
+        log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
         check_cluster_fits(self.ray_cfg, self.extra_resources())
         self.start_services()
+        # the MLflow store opens (a new one migrates its schema) while the workers start; the run itself
+        # is opened after they announce, because a resumed run's id comes from their checkpoint
+        store = threading.Thread(target=self.tracker.prepare, args=(self.run_cfg.storage_path,),
+                                 name="unirl-mlflow-prepare", daemon=True)
+        store.start()
         announced = self.start_workers()
+        store.join(timeout=120)
         state = announced.get("controller") or {}
         start_step = int(announced.get("restored_step", 0))
         if start_step and state.get("seed", self.run_cfg.seed) != self.run_cfg.seed:

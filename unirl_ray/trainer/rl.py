@@ -160,12 +160,17 @@ class RLTrainer(BaseTrainer):
 
     # -------------------------------------------------------------- services
     def start_services(self) -> None:
+        """Deploy the reward app(s) and a dedicated engine. Both build while the train workers start
+        (``start_workers`` waits for them); only a colocated engine deploys (and sleeps) first, so
+        that the workers find the devices free."""
         from unirl_ray.rewards import RewardClient
 
-        self.reward = RewardClient.deploy(self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
+        self.reward = None
         self.engine = None
         self._engine_deploy: Future | None = None
         self._stage_metrics: dict[str, float] = {}
+        self._reward_deploy: Future | None = _in_background(
+            "reward", RewardClient.deploy, self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
         if self.dedicated is not None:
             sections = {
                 "bundle": OmegaConf.to_container(self.recipe.bundle, resolve=True),
@@ -179,9 +184,7 @@ class RLTrainer(BaseTrainer):
                 self.engine = deploy()
                 self.engine.sleep()  # give the devices to the train workers that start next
             else:  # a separate engine builds its model while the train workers start; start_workers waits
-                pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-engine-deploy")
-                self._engine_deploy = pool.submit(deploy)
-                pool.shutdown(wait=False)
+                self._engine_deploy = _in_background("engine", deploy)
 
     def _engine_app_name(self) -> str:
         return f"{self.run_cfg.run_name}-rollout"
@@ -193,6 +196,15 @@ class RLTrainer(BaseTrainer):
         if future is not None:
             self.engine = future.result(timeout=self.dedicated.timeout_s + 120)
         return getattr(self, "engine", None)
+
+    def _await_reward(self) -> Any:
+        """The reward client, once its background deploy is done (its error raised here). Each of its
+        apps is bounded by the deploy's own readiness timeout (which deletes an app that never got
+        ready); this wait is a backstop over all of them."""
+        future, self._reward_deploy = getattr(self, "_reward_deploy", None), None
+        if future is not None:
+            self.reward = future.result(timeout=REWARD_DEPLOY_TIMEOUT_S)
+        return getattr(self, "reward", None)
 
     def _engine_lora_section(self) -> dict[str, Any] | None:
         """The adapter structure the engine must mirror: the trained LoRA (EmaLora: its default adapter)."""
@@ -208,6 +220,7 @@ class RLTrainer(BaseTrainer):
             self.worker_sections = tuple(s for s in self.worker_sections if s != "rollout")
         announced = super().start_workers()
         self.policy_version = int(announced.get("policy_version", 0))
+        self._await_reward()
         if self._await_engine() is not None:  # the engine starts from the trainer's (possibly restored) weights
             self.sync.push(self.group, self.engine, self.policy_version)
         return announced
@@ -223,6 +236,10 @@ class RLTrainer(BaseTrainer):
                 serve.delete(self._engine_app_name())
             except Exception:  # noqa: BLE001 - best effort
                 pass
+        try:
+            self._await_reward()
+        except Exception as exc:  # noqa: BLE001 - setup already failed; the deploy removes an app that never got ready
+            log.warning("the reward app's deploy failed: %s", exc)
         for service in (getattr(self, "engine", None), getattr(self, "reward", None)):
             if service is not None:
                 service.shutdown()
@@ -388,3 +405,16 @@ class RLTrainer(BaseTrainer):
 def _split(items: list[Any], parts: int) -> list[list[Any]]:
     size = len(items) // parts
     return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+REWARD_DEPLOY_TIMEOUT_S = 900.0
+"""Backstop on waiting for the reward apps' deploy (each app has its own 120 s readiness timeout)."""
+
+
+def _in_background(what: str, fn: Any, *args: Any, **kwargs: Any) -> Future:
+    """``fn(*args, **kwargs)`` in a thread of its own (a Serve deploy that mostly waits on replicas)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"unirl-{what}-deploy")
+    try:
+        return pool.submit(fn, *args, **kwargs)
+    finally:
+        pool.shutdown(wait=False)

@@ -1,0 +1,139 @@
+"""Helpers shared by the test modules that drive trainers: recipe builders, MLflow metric readers,
+step loops and kill helpers (one copy here instead of one per module).
+
+``tests/`` is on ``sys.path`` (pytest puts the directory of the top-level ``conftest.py`` there), so a
+module imports these as ``from support import history, make``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+
+def recipe_path(*parts: str) -> str:
+    """A recipe file under ``recipes/``, e.g. ``recipe_path("ar", "tiny", "char_grpo_direct.yaml")``."""
+    return str(RECIPES.joinpath(*parts))
+
+
+def load(recipe: str, storage: Any, run_name: str, *overrides: str, experiment: str = "tests") -> Any:
+    """The recipe with a run name, a storage path (also the MLflow store's folder) and an experiment."""
+    from unirl_ray.config.recipe import load_recipe
+
+    return load_recipe(recipe, [f"trainer.run_name={run_name}", f"trainer.storage_path={storage}",
+                                f"tracking.experiment_name={experiment}", *overrides])
+
+
+def make(cls: type, recipe: str, storage: Any, run_name: str, *overrides: str, experiment: str = "tests",
+         drop: Sequence[str] = ()) -> Any:
+    """A trainer of class ``cls`` over :func:`load`'s recipe, without the top-level sections ``drop``."""
+    cfg = load(recipe, storage, run_name, *overrides, experiment=experiment)
+    for section in drop:
+        del cfg[section]
+    return cls(cfg)
+
+
+def fit(cls: type, recipe: str, storage: Any, run_name: str, *overrides: str, **kwargs: Any) -> Any:
+    """:func:`make` then ``fit()``; returns the trainer (its tracker still names the MLflow run)."""
+    trainer = make(cls, recipe, storage, run_name, *overrides, **kwargs)
+    trainer.fit()
+    return trainer
+
+
+# ------------------------------------------------------------------ MLflow
+def _metric_history(trainer: Any, key: str) -> list[Any]:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(trainer.tracker.tracking_uri).get_metric_history(trainer.tracker.run_id, key)
+
+
+def history(trainer: Any, key: str) -> list[float]:
+    """The values of a metric of the trainer's MLflow run, in step order."""
+    return [m.value for m in sorted(_metric_history(trainer, key), key=lambda m: m.step)]
+
+
+def logged(trainer: Any, key: str) -> dict[int, float]:
+    """``{step: value}`` of a metric of the trainer's MLflow run (the last value where a step has two)."""
+    return {m.step: m.value for m in sorted(_metric_history(trainer, key), key=lambda m: m.timestamp)}
+
+
+def attempts(trainer: Any, key: str) -> dict[int, list[float]]:
+    """``{step: [values in logging order]}``: a step replayed after a restart has two."""
+    out: dict[int, list[float]] = {}
+    for m in sorted(_metric_history(trainer, key), key=lambda m: m.timestamp):
+        out.setdefault(m.step, []).append(m.value)
+    return out
+
+
+def artifacts(trainer: Any, folder: str | None = None) -> list[str]:
+    """Artifact paths of the trainer's MLflow run (under ``folder``)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(trainer.tracker.tracking_uri)
+    return [a.path for a in client.list_artifacts(trainer.tracker.run_id, folder)]
+
+
+# ------------------------------------------------------------------ driving a trainer by hand
+def drive(trainer: Any, steps: int, check: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """setup, ``steps`` steps (metrics logged to MLflow; ``check(step, metrics)`` after setup with step 0
+    and after each step), teardown with the run's status; returns every step's metrics."""
+    status, out = "FAILED", []
+    try:
+        start = trainer.setup()
+        assert start == 0, f"expected a fresh run, resumed at step {start}"
+        if check is not None:
+            check(0, {})
+        for step in range(1, steps + 1):
+            metrics = trainer.run_step(step)
+            trainer.tracker.log_metrics(metrics, step=step)
+            out.append(metrics)
+            if check is not None:
+                check(step, metrics)
+        status = "FINISHED"
+    finally:
+        trainer.teardown(status)
+    return out
+
+
+def concurrently(*jobs: Callable[[], Any], timeout_s: float = 900.0) -> list[Any]:
+    """Run independent jobs (e.g. two small trainer runs on the shared Ray) in threads at once; their
+    results in order (the first error is raised). On 2 cores two 1-worker runs overlap their start-up
+    waits and each other's steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="test-job") as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result(timeout=timeout_s) for f in futures]
+
+
+def record_training(trainer: Any) -> list[tuple[int, int, list[tuple[str, int]]]]:
+    """Wrap ``trainer.train``: (call number, trainer weights version, [(sample_id, sample version)]) per call."""
+    seen, original = [], trainer.train
+
+    def train(samples, *, seed):
+        seen.append((len(seen) + 1, trainer.policy_version, [(s.sample_id, s.policy_version) for s in samples]))
+        return original(samples, seed=seed)
+
+    trainer.train = train
+    return seen
+
+
+# ------------------------------------------------------------------ faults
+def kill_rank(trainer: Any, rank: int) -> int:
+    """SIGKILL one train worker process (as a crash would); returns its pid."""
+    pid = trainer.group.call("ping", {})[rank]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def kill_engine_replica(engine: Any) -> int:
+    """SIGKILL a dedicated engine's first replica process; returns its pid."""
+    pid = engine.status()[0]["replica"]
+    os.kill(pid, signal.SIGKILL)
+    return pid

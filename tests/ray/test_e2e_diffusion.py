@@ -5,34 +5,21 @@ resumes; DiffusionNFT (1 worker, EMA shadow adapter) raises the reward through t
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import concurrently, drive
+from support import concurrently, drive, fit, make, recipe_path
 
-from unirl_ray.config.recipe import load_recipe
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "diffusion", "sd3", "sd3_tiny_flowgrpo.yaml")
+RECIPE = recipe_path("diffusion", "sd3", "sd3_tiny_flowgrpo.yaml")
 
 
 def run(tmp_path, run_name, *overrides):
-    recipe = load_recipe(
-        RECIPE,
-        [
-            f"trainer.run_name={run_name}",
-            f"trainer.storage_path={tmp_path}",
-            "tracking.experiment_name=e2e",
-            *overrides,
-        ],
-    )
-    trainer = DiffusionTrainer(recipe)
-    trainer.fit()
-    return trainer
+    return fit(DiffusionTrainer, RECIPE, tmp_path, run_name, *overrides, experiment="e2e")
 
 
 def reward_history(tracking_uri, run_id, key="reward/mean"):
@@ -99,16 +86,15 @@ def test_resume_continues_run_and_data(ray_local, tmp_path):
     assert state["step"] == 4 and state["controller"]["data"] == straight.data.state_dict()
 
 
-NFT_RECIPE = os.path.join(os.path.dirname(RECIPE), "sd3_tiny_nft.yaml")
+NFT_RECIPE = recipe_path("diffusion", "sd3", "sd3_tiny_nft.yaml")
 
 
 def nft_steps(tmp_path, run_name, steps, *overrides):
     """The tiny DiffusionNFT recipe on 1 Ray Train worker, ``steps`` steps through ``run_step``; the metrics."""
-    recipe = load_recipe(NFT_RECIPE, [
-        f"trainer.run_name={run_name}", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e",
-        f"trainer.num_steps={steps}", "trainer.checkpoint_every=100", "tracking.log_samples_every=0",
-        "ray.scaling.num_workers=1", *overrides])
-    return drive(DiffusionTrainer(recipe), steps)
+    trainer = make(DiffusionTrainer, NFT_RECIPE, tmp_path, run_name, f"trainer.num_steps={steps}",
+                   "trainer.checkpoint_every=100", "tracking.log_samples_every=0", "ray.scaling.num_workers=1",
+                   *overrides, experiment="e2e")
+    return drive(trainer, steps)
 
 
 def test_nft_raises_reward_through_the_trainer(ray_local, tmp_path):

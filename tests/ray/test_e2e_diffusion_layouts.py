@@ -8,25 +8,21 @@
   training weights unchanged by it (checksum through a worker op).
 """
 
-import os
 
 import numpy as np
 import pytest
+import support
 from support import artifacts, drive, logged
 
-from unirl_ray.config.recipe import load_recipe
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "diffusion", "sd3")
-
 
 def make(tmp_path, recipe, name, *overrides):
-    cfg = load_recipe(os.path.join(RECIPES, recipe), [
-        f"trainer.run_name={name}", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e-layouts",
-        "trainer.checkpoint_every=100", "tracking.log_samples_every=0", *overrides])
-    return DiffusionTrainer(cfg)
+    return support.make(DiffusionTrainer, support.recipe_path("diffusion", "sd3", recipe), tmp_path, name,
+                        "trainer.checkpoint_every=100", "tracking.log_samples_every=0", *overrides,
+                        experiment="e2e-layouts")
 
 
 def lora_bytes(trainer):

@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 from omegaconf import OmegaConf
-from support import attempts, kill_rank, logged
+from support import ROOT, attempts, fit, kill_rank, load, logged, recipe_path
 
-from unirl_ray.config.recipe import load_recipe
 from unirl_ray.runtime.stack_worker import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
@@ -21,13 +20,11 @@ from unirl_ray.trainer.sft import SFTTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
-CHAT = os.path.join(os.path.dirname(__file__), "..", "..", "unirl_ray", "assets", "data", "sft_chat.jsonl")
+CHAT = str(ROOT / "unirl_ray" / "assets" / "data" / "sft_chat.jsonl")
 
 
 def recipe(tmp_path, name, run_name, *overrides):
-    return load_recipe(os.path.join(RECIPES, "sft", "tiny", name), [
-        f"trainer.run_name={run_name}", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e-sft", *overrides])
+    return load(recipe_path("sft", "tiny", name), tmp_path, run_name, *overrides, experiment="e2e-sft")
 
 
 def test_record_sources_read_jsonl_and_parquet_and_hold_out_a_fraction(ray_local, tmp_path):
@@ -72,10 +69,9 @@ def test_chat_sft_learns_then_grpo_starts_from_its_export(ray_local, tmp_path):
     assert sum(logged(sft, "data/records").values()) == 30 * 16
 
     # the export is a from_pretrained folder that the AR GRPO recipe starts from as it is
-    grpo = ARTrainer(load_recipe(os.path.join(RECIPES, "ar", "tiny", "char_grpo_direct.yaml"), [
-        "trainer.run_name=grpo", f"trainer.storage_path={tmp_path}", "trainer.num_steps=2", "trainer.checkpoint_every=2",
-        "tracking.log_samples_every=0", f"bundle.config.pretrained_model_path={export}"]))
-    grpo.fit()
+    grpo = fit(ARTrainer, recipe_path("ar", "tiny", "char_grpo_direct.yaml"), tmp_path, "grpo", "trainer.num_steps=2",
+               "trainer.checkpoint_every=2", "tracking.log_samples_every=0", f"bundle.config.pretrained_model_path={export}",
+               experiment="e2e-sft")
     assert not grpo.is_demo()
     rewards = logged(grpo, "reward/mean")
     assert sorted(rewards) == [1, 2]

@@ -1,31 +1,26 @@
 """End to end on CPU for video: the tiny Wan recipe (time-axis latents) trained with Flow-GRPO on
 2 FSDP2 Ray Train workers (gloo), a Serve reward app, Ray Data prompts, MLflow with GIF artifacts."""
 
-import os
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
-from support import history
+from support import fit, history, recipe_path
 
-from unirl_ray.config.recipe import load_recipe
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "diffusion", "wan", "wan_tiny_flowgrpo.yaml")
+RECIPE = recipe_path("diffusion", "wan", "wan_tiny_flowgrpo.yaml")
 STEPS = 4
 
 
 def test_tiny_wan_trains_and_logs_gifs(ray_local, tmp_path):
-    recipe = load_recipe(RECIPE, [
-        "trainer.run_name=video", f"trainer.storage_path={tmp_path}", "tracking.experiment_name=e2e-video",
-        f"trainer.num_steps={STEPS}", f"trainer.checkpoint_every={STEPS}", "tracking.log_samples_every=2",
-        "trainer.prompts_per_step=2", "stack.mini_batch_size=8",  # half the recipe's batch: a shorter test
-    ])
-    trainer = DiffusionTrainer(recipe)
-    trainer.fit()
+    trainer = fit(DiffusionTrainer, RECIPE, tmp_path, "video", f"trainer.num_steps={STEPS}",
+                  f"trainer.checkpoint_every={STEPS}", "tracking.log_samples_every=2",
+                  "trainer.prompts_per_step=2", "stack.mini_batch_size=8",  # half the recipe's batch: a shorter test
+                  experiment="e2e-video")
     client = MlflowClient(trainer.tracker.tracking_uri)
     run_id = trainer.tracker.run_id
     rewards = history(trainer, "reward/mean")

@@ -286,6 +286,7 @@ _FlakyEngine = _flaky_engine_cls()
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "tiny")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("placement", ["separate", "colocated"])
 def test_ar_trainer_with_vllm_engine(ray_local, tmp_path, placement):
     """Colocated: the vLLM engine sleeps between rollouts (a no-op on vLLM's CPU backend, which has no

@@ -101,17 +101,6 @@ def drive(trainer: Any, steps: int, check: Callable[[int, dict[str, Any]], None]
     return out
 
 
-def concurrently(*jobs: Callable[[], Any], timeout_s: float = 900.0) -> list[Any]:
-    """Run independent jobs (e.g. two small trainer runs on the shared Ray) in threads at once; their
-    results in order (the first error is raised). On 2 cores two 1-worker runs overlap their start-up
-    waits and each other's steps."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(jobs), thread_name_prefix="test-job") as pool:
-        futures = [pool.submit(job) for job in jobs]
-        return [f.result(timeout=timeout_s) for f in futures]
-
-
 def record_training(trainer: Any) -> list[tuple[int, int, list[tuple[str, int]]]]:
     """Wrap ``trainer.train``: (call number, trainer weights version, [(sample_id, sample version)]) per call."""
     seen, original = [], trainer.train

@@ -6,3 +6,7 @@ The core (bundles, pipelines, algorithms, FSDPBackend, TrainStack) imports no Ra
 """
 
 __version__ = "0.1.0"
+
+from unirl_ray import _lean_imports
+
+_lean_imports.install()  # transformers without scikit-learn's import cost (see the module)

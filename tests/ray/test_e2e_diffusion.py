@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import concurrently, drive, fit, make, recipe_path
+from support import drive, fit, make, recipe_path
 
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
@@ -62,9 +62,8 @@ LORA = ("backend.lora_cfg={_target_: unirl_ray.train.configs.LoraConfig, rank: 4
 
 
 def test_resume_continues_run_and_data(ray_local, tmp_path):
-    straight, first = concurrently(  # independent runs at once (the straight one in its own MLflow store)
-        lambda: run(tmp_path / "straight", "straight", "trainer.num_steps=4", *LORA),
-        lambda: run(tmp_path, "resumed", "trainer.num_steps=2", *LORA))
+    straight = run(tmp_path, "straight", "trainer.num_steps=4", *LORA)
+    first = run(tmp_path, "resumed", "trainer.num_steps=2", *LORA)
     second = run(tmp_path, "resumed", "trainer.num_steps=4", *LORA)
 
     assert second.tracker.run_id == first.tracker.run_id  # one MLflow run, continued
@@ -102,9 +101,8 @@ def test_nft_raises_reward_through_the_trainer(ray_local, tmp_path):
     step): brightness rises by several times the untrained model's within-step spread; the same run with
     the reward negated makes the images darker, so the signal, not a drift, moves them."""
     steps = 14  # seen: +0.011 and -0.022 vs a spread of 0.0017; with 8 steps the negated run had not moved yet
-    up, down = concurrently(  # two 1-worker runs at once (their own MLflow stores)
-        lambda: nft_steps(tmp_path / "up", "nft-up", steps),
-        lambda: nft_steps(tmp_path / "down", "nft-down", steps, "reward.rewards.brightness.weight=-1.0"))
+    up = nft_steps(tmp_path, "nft-up", steps)
+    down = nft_steps(tmp_path, "nft-down", steps, "reward.rewards.brightness.weight=-1.0")
 
     def gain(history):
         brightness = [m["reward/brightness/mean"] for m in history]  # the raw score, before the weight

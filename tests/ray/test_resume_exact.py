@@ -24,7 +24,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
-from support import attempts, concurrently, fit, kill_rank, load, make, recipe_path
+from support import attempts, fit, kill_rank, load, make, recipe_path
 
 from unirl_ray.runtime.stack_worker import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
@@ -97,11 +97,10 @@ def test_resume_is_exact_and_reshards_onto_fewer_workers(killed, tmp_path):
     split_dir, reshard_dir = tmp_path / "b", tmp_path / "c"
     fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=2", *COMMON, experiment="e2e-resume")
     shutil.copytree(split_dir, reshard_dir)  # the same step-2 checkpoint, resumed elsewhere on 1 worker
-    resumed, _ = concurrently(  # the two resumes at once: separate folders, separate MLflow stores
-        lambda: fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=4", *COMMON, experiment="e2e-resume"),
-        lambda: fit(ARTrainer, RECIPE, reshard_dir, "killed", "trainer.num_steps=4", *COMMON,
-                    "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2", experiment="e2e-resume"))
+    resumed = fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=4", *COMMON, experiment="e2e-resume")
     assert resumed.prompt_log[0][0] == 3  # resumed after the saved step, in the same MLflow run
+    fit(ARTrainer, RECIPE, reshard_dir, "killed", "trainer.num_steps=4", *COMMON, "ray.scaling.num_workers=1",
+        "ray.scaling.resources_per_worker.CPU=2", experiment="e2e-resume")
 
     want_params, want_moments, want_state = trained_state(straight_dir, "killed", 4)
     got_params, got_moments, got_state = trained_state(split_dir, "killed", 4)

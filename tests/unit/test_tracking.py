@@ -136,3 +136,21 @@ def test_helpers() -> None:
     assert [s for s in range(12) if tracker.should_log_samples(s)] == [0, 5, 10]
     with pytest.raises(ValueError, match="log_samples_every"):
         TrackingConfig(log_samples_every=-1)
+
+
+def test_prepare_opens_the_store_ahead_of_start_and_never_raises(tmp_path, monkeypatch) -> None:
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = MLflowTracker(TrackingConfig(experiment_name="prepared"))
+    tracker.prepare(str(tmp_path))  # what BaseTrainer.setup runs in a thread while the workers start
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("prepared")
+    assert experiment is not None and experiment.artifact_location == (tmp_path / "mlartifacts").as_uri()
+    run_id = tracker.start(str(tmp_path), "run")  # the prepared experiment, not a second one
+    assert client.get_run(run_id).info.experiment_id == experiment.experiment_id
+    tracker.end()
+
+    broken = MLflowTracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'missing' / 'dir' / 'x.db'}"))
+    (tmp_path / "missing").write_text("a file where the store's folder should be")
+    broken.prepare(str(tmp_path / "other"))  # logged at debug level; start() degrades with a warning

@@ -1,8 +1,9 @@
-"""End to end on CPU for the SFT trainer: 2 FSDP2 Ray Train workers (gloo) reading their shards of a
-Ray Data dataset, MLflow, checkpoints and export. The tiny LM learns the shipped chat records and its
-export starts a GRPO run; a resumed run continues with exactly the records an uninterrupted one
-trains on (packing and bad records included), and a worker killed mid-call replays the lost steps on
-the same records (one straight run, with that kill, serves both); the tiny SD3 learns image-caption pairs."""
+"""End to end on CPU for the SFT trainer: Ray Train workers (FSDP2; 2 ranks over gloo for the resume
+and kill runs) reading their shards of a Ray Data dataset, MLflow, checkpoints and export. The tiny LM
+learns the shipped chat records and its export starts a GRPO run; a resumed run continues with exactly
+the records an uninterrupted one trains on (packing and bad records included), and a worker killed
+mid-call replays the lost steps on the same records (one straight run, with that kill, serves both);
+the tiny SD3 learns image-caption pairs."""
 
 import json
 import os
@@ -21,6 +22,9 @@ from unirl_ray.trainer.sft import SFTTrainer
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 CHAT = str(ROOT / "unirl_ray" / "assets" / "data" / "sft_chat.jsonl")
+# the learning tests run one worker with both CPUs (a worker fewer starts faster); the kill / resume runs
+# keep two FSDP2 ranks reading their shards
+ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
 
 
 def recipe(tmp_path, name, run_name, *overrides):
@@ -56,7 +60,8 @@ def test_record_sources_read_jsonl_and_parquet_and_hold_out_a_fraction(ray_local
 def test_chat_sft_learns_then_grpo_starts_from_its_export(ray_local, tmp_path):
     export = tmp_path / "export"
     sft = SFTTrainer(recipe(tmp_path, "char_chat_sft.yaml", "chat", "trainer.num_steps=30", "trainer.eval_every=15",
-                            "trainer.eval_on_start=true", "trainer.checkpoint_every=30", f"+trainer.export_dir={export}"))
+                            "trainer.eval_on_start=true", "trainer.checkpoint_every=30", f"+trainer.export_dir={export}",
+                            *ONE_WORKER))
     sft.fit()
     loss = logged(sft, "train/loss")
     assert sorted(loss) == list(range(1, 31))
@@ -71,7 +76,7 @@ def test_chat_sft_learns_then_grpo_starts_from_its_export(ray_local, tmp_path):
     # the export is a from_pretrained folder that the AR GRPO recipe starts from as it is
     grpo = fit(ARTrainer, recipe_path("ar", "tiny", "char_grpo_direct.yaml"), tmp_path, "grpo", "trainer.num_steps=2",
                "trainer.checkpoint_every=2", "tracking.log_samples_every=0", f"bundle.config.pretrained_model_path={export}",
-               experiment="e2e-sft")
+               *ONE_WORKER, experiment="e2e-sft")
     assert not grpo.is_demo()
     rewards = logged(grpo, "reward/mean")
     assert sorted(rewards) == [1, 2]
@@ -170,7 +175,7 @@ def test_resume_continues_with_exactly_the_next_records(killed, bad_records, tmp
 
 def test_sd3_image_caption_sft_loss_falls(ray_local, tmp_path):
     sft = SFTTrainer(recipe(tmp_path, "sd3_caption_sft.yaml", "sd3", "trainer.num_steps=12", "trainer.eval_every=12",
-                            "trainer.eval_on_start=true", "trainer.checkpoint_every=12"))
+                            "trainer.eval_on_start=true", "trainer.checkpoint_every=12", *ONE_WORKER))
     sft.fit()
     evals = logged(sft, "eval/loss")  # fixed noise per held-out record: comparable across evaluations
     assert sorted(evals) == [0, 12] and evals[12] < 0.95 * evals[0], evals

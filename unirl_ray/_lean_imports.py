@@ -21,9 +21,12 @@ _TARGET = "transformers.generation.candidate_generator"
 class _NoSklearnForGeneration(importlib.abc.MetaPathFinder):
     """Just before transformers' candidate generator is imported, report scikit-learn as unavailable to it."""
 
+    done = False
+
     def find_spec(self, fullname, path=None, target=None):  # noqa: D102 - MetaPathFinder protocol
-        if fullname == _TARGET:
-            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]  # once is enough
+        # (sys.meta_path is being iterated here: the finder stays in it and only does its work once)
+        if fullname == _TARGET and not self.done:
+            self.done = True
             for name in ("transformers.utils", "transformers.utils.import_utils"):
                 module = sys.modules.get(name)
                 if module is not None and hasattr(module, "is_sklearn_available"):

@@ -78,6 +78,26 @@ def test_offload_with_nft_adapters_and_mirror_ema_resumes_bit_identically():
     _check(result)
 
 
+def test_exported_weights_are_a_snapshot_that_leaves_offload_possible():
+    # unsharded on the CPU, torch's full state dict is the parameters themselves: packed for the object
+    # store (numpy), they pinned the parameters' storage and a colocated engine's first offload failed
+    from unirl_ray.core.wire import pack_tree
+
+    backend = make_backend()
+    train(backend, 1)
+    state = backend.full_trainable_state_dict()
+    packed = pack_tree(state)
+    before = {k: v.clone() for k, v in state.items()}
+    assert backend.offload() > 0
+    backend.onload()
+    train(backend, 1, start=2)
+    live = dict(backend.module.named_parameters())
+    assert any(not torch.equal(live[k], before[k]) for k in before)  # the weights moved on...
+    assert all(torch.equal(state[k], before[k]) for k in before)  # ...the snapshot did not
+    assert all(p.untyped_storage().resizable() for p in backend.module.parameters())
+    assert packed.keys() == state.keys()
+
+
 def _offload_rank():
     return _offload_roundtrip(ema_full_cfg=EmaFullConfig(target_decay=0.9))
 

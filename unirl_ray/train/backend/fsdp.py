@@ -451,11 +451,16 @@ class FSDPBackend:
 
     def full_trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full (unsharded) trainable weights on rank 0, CPU; ``{}`` elsewhere.
-        Inside ``ema_weights()`` these are the EMA weights (same names)."""
+        Inside ``ema_weights()`` these are the EMA weights (same names).
+
+        A snapshot: it never shares memory with the live parameters. (Unsharded on the CPU, torch would
+        hand out the parameters themselves; a later step would then change the snapshot, and turning
+        it into numpy for the object store would pin the parameters' storage, which ``offload`` must free.)"""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         self._require_onloaded("full_trainable_state_dict()")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         state = get_model_state_dict(self.module, options=options)
         names = self._trainable_names()
-        return {k: v for k, v in state.items() if k in names}
+        live = {local(t).untyped_storage().data_ptr() for t in self._device_tensors() if t is not None}
+        return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in state.items() if k in names}

@@ -52,6 +52,11 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
         ("pipeline.height=30", r"pipeline.height=30 must be a positive multiple of 4"),
         # prompt file that is not there
         ("data.path=/nonexistent/prompts.txt", r"not found: /nonexistent/prompts.txt"),
+        # a negative clipping norm made torch flip every gradient (ascent); 0 is not "no clipping" either
+        ("stack.max_grad_norm=-1", r"`stack.max_grad_norm` must be > 0 \(null: no clipping.*got -1"),
+        ("stack.max_grad_norm=0", r"`stack.max_grad_norm` must be > 0 .*got 0"),
+        ("stack.micro_batch_size=0", r"`stack.micro_batch_size` must be >= 1, got 0"),
+        ("stack.num_updates_per_batch=0", r"`stack.num_updates_per_batch` must be >= 1, got 0"),
     ],
 )
 def test_bad_recipe_values_fail_on_the_driver(override, message):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import unirl_ray
-from unirl_ray.config.recipe import RecipeError, load_recipe
+from unirl_ray.config.recipe import RecipeError, load_recipe, validate_targets
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
 PACKAGE = Path(unirl_ray.__file__).parent
@@ -138,6 +138,30 @@ def test_allow_list_from_the_environment_refuses_a_target_before_anything_starts
                                           r" \['unirl_ray.'\].*UNIRL_ALLOWED_TARGET_PREFIXES"):
         DiffusionTrainer(load_recipe(TINY, ["algorithm._target_=os.system"]))
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("override", [
+    "algorithm._target_=unirl_ray.config.recipe.os.system",  # a module an allowed package imported
+    "algorithm._target_=unirl_ray.config.recipe.importlib.import_module",
+    "stack._target_=unirl_ray.config.recipe.os.path.join",
+    "reward.rewards.brightness.fn=unirl_ray.config.recipe.importlib.import_module",
+    "reward.rewards.brightness.fn=unirl_ray.config.recipe.os.system",
+])
+def test_allow_list_holds_on_the_object_reached_not_the_spelling(monkeypatch, override):
+    monkeypatch.setenv("UNIRL_ALLOWED_TARGET_PREFIXES", "unirl_ray.")
+    with pytest.raises(RecipeError, match=r"reaches (posix|nt|os|importlib|posixpath|ntpath)\.\w+, which is outside"
+                                          r" the allowed prefixes \['unirl_ray.'\]"):
+        DiffusionTrainer(load_recipe(TINY, [override]))
+
+
+def test_every_shipped_recipe_passes_the_allow_list_of_the_package(monkeypatch):
+    for var in ("PRETRAINED_MODEL", "GSM", "SFT_DATA"):  # the real recipes' local folders (not read here)
+        monkeypatch.setenv(var, "/models/unused")
+    recipes = sorted(Path(TINY).parents[2].rglob("*.yaml"))
+    assert len(recipes) >= 15
+    for recipe in recipes:
+        cfg = load_recipe(recipe)
+        validate_targets(cfg, allowed_target_prefixes=["unirl_ray."])  # classes, classmethods, reward fns
 
 
 def test_allow_list_also_holds_for_reward_fn_import_paths(monkeypatch):

@@ -25,17 +25,16 @@ DIRECT = recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 ENGINE = recipe_path("ar", "tiny", "char_grpo_engine.yaml")
 TIED = "+bundle.config.tiny={_target_: unirl_ray.models.causal_lm.TinyLMConfig, tie_word_embeddings: true}"
 ENGINE_STEPS, KILL_AT, COLOCATED_STEPS = 14, 8, 4
-# The direct-rollout test runs one train worker with both CPUs: what it checks does not depend on the rank
-# count (two FSDP2 ranks are trained, killed and resumed in test_resume_exact.py), and a worker fewer
-# starts faster. The engine runs keep 2 ranks (the colocated offload of one CPU rank fails today: a
-# non-resizable storage in its modules).
+# Every run here has one train worker with both CPUs: what they check does not depend on the rank count
+# (two FSDP2 ranks are trained, killed and resumed in test_resume_exact.py, and export their weights to
+# a dedicated engine in test_vllm_engine.py), and a worker fewer starts faster.
 ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
 
 
 def engine_trainer(tmp_path, name, steps, *overrides):
     # tied input/output embeddings: the engine must see the updated output layer too
     return make(ARTrainer, ENGINE, tmp_path, name, f"trainer.num_steps={steps}", "trainer.checkpoint_every=100", TIED,
-                *overrides, experiment="e2e-ar")
+                *ONE_WORKER, *overrides, experiment="e2e-ar")
 
 
 def assert_learned(trainer, steps):

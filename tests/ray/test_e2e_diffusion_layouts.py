@@ -1,4 +1,5 @@
-"""Diffusion layouts end to end on CPU (2 FSDP2 Ray Train workers over gloo, tiny SD3 built from config):
+"""Diffusion layouts end to end on CPU (one Ray Train worker, tiny SD3 built from config; the rank count does
+not matter to what is checked here, and two-rank SD3 training is in test_e2e_diffusion.py's resume test):
 
 - the separate layout: a dedicated HF engine app (2 replicas) samples; after every step the LoRA
   adapters (only) reach every replica, verified by version and checksum; engine log-probs equal the
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 def make(tmp_path, recipe, name, *overrides):
     return support.make(DiffusionTrainer, support.recipe_path("diffusion", "sd3", recipe), tmp_path, name,
-                        "trainer.checkpoint_every=100", "tracking.log_samples_every=0", *overrides,
+                        "trainer.checkpoint_every=100", "tracking.log_samples_every=0", "ray.scaling.num_workers=1",
+                        *overrides,
                         experiment="e2e-layouts")
 
 

@@ -290,7 +290,9 @@ RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "
 @pytest.mark.parametrize("placement", ["separate", "colocated"])
 def test_ar_trainer_with_vllm_engine(ray_local, tmp_path, placement):
     """Colocated: the vLLM engine sleeps between rollouts (a no-op on vLLM's CPU backend, which has no
-    sleep mode; on GPUs it frees weights and KV cache) and catches up to the latest version on wake."""
+    sleep mode; on GPUs it frees weights and KV cache) and catches up to the latest version on wake.
+    Separate: two FSDP2 ranks gather the weights they export to the engine; the colocated run has one
+    train worker (the rank count does not matter to it, and one starts faster)."""
     from unirl_ray.config.recipe import load_recipe
     from unirl_ray.trainer.ar import ARTrainer
 
@@ -306,6 +308,7 @@ def test_ar_trainer_with_vllm_engine(ray_local, tmp_path, placement):
             "rollout.engine=vllm",
             "+rollout.engine_kwargs={block_size: 32}",  # vllm.LLM options travel to the Serve replica
             "+bundle.config.tiny={_target_: unirl_ray.models.causal_lm.TinyLMConfig, tie_word_embeddings: true}",
+            *(("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2") if placement == "colocated" else ()),
         ],
     )
     trainer = ARTrainer(cfg)

@@ -155,3 +155,22 @@ def test_no_module_repeats_a_literal_in_a_hand_written_membership_check():
 
 def test_a_shared_alias_gives_its_plain_values():
     assert typing.get_args(EmaTiming) == ("rollout_end", "optimizer_step")
+
+
+def test_bounds_in_annotations_are_checked_in_python_and_in_recipes():
+    from typing import Annotated
+
+    from unirl_ray.config.checks import Bound, check_choice
+    from unirl_ray.train.stack import TrainStack
+
+    norm = Annotated[float, Bound(gt=0, why="null: no clipping")] | None
+    check_choice("x", None, norm)
+    check_choice("x", 0.5, norm)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"^x must be > 0 \(null: no clipping\), got "):
+            check_choice("x", bad, norm)
+    assert Bound(ge=1, lt=8).describe() == ">= 1 and < 8"
+    with pytest.raises(ValueError, match=r"^stack.max_grad_norm must be > 0 .*got -1$"):
+        TrainStack(max_grad_norm=-1)
+    with pytest.raises(RecipeError, match=r"^`stack.num_updates_per_batch` must be >= 1, got 0"):
+        validate_targets({"stack": {"_target_": "unirl_ray.train.stack.TrainStack", "num_updates_per_batch": 0}})

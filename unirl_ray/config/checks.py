@@ -1,12 +1,12 @@
 """Values checked against their annotations: one mechanism for recipes and for Python callers.
 
 A field or parameter typed ``Literal[...]`` (alone, in an alias, or in a union such as
-``Literal["auto"] | int | None``) lists its allowed values once, in the annotation. Components do
-not repeat that list in a hand-written ``if x not in (...)`` check; they call
-``check_literal_fields(self)`` from ``__post_init__`` (dataclasses) or
-``check_literal_args(Class.__init__, prefix, locals())`` (constructors), which read the annotation.
-``unirl_ray.config.recipe.validate_targets`` checks recipe values with the same helpers (scalar
-types too) before anything is built, naming the recipe key.
+``Literal["auto"] | int | None``) lists its allowed values once, in the annotation; a numeric one
+carries its range the same way, ``Annotated[float, Bound(gt=0)] | None``. Components do not repeat
+either in a hand-written check; they call ``check_literal_fields(self)`` from ``__post_init__``
+(dataclasses) or ``check_literal_args(Class.__init__, prefix, locals())`` (constructors), which
+read the annotation (choices and ranges both). ``unirl_ray.config.recipe.validate_targets`` checks
+recipe values with the same helpers (scalar types too) before anything is built, naming the recipe key.
 """
 
 from __future__ import annotations
@@ -28,14 +28,57 @@ SCALARS: dict[type, str] = {
 """Scalar annotation types a recipe value is checked against, with how a message names them."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A numeric range, given in an annotation: ``Annotated[int, Bound(ge=1)]``,
+    ``Annotated[float, Bound(gt=0)] | None``. ``why`` ends the message (e.g. what ``None`` means)."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    why: str = ""
+
+    def allows(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return True  # the type check names a wrong type
+        if value != value:  # NaN fits no range
+            return False
+        return ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+                and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le))
+
+    def describe(self) -> str:
+        parts = [f"{op} {limit:g}" for op, limit in (("> ", self.gt), (">=", self.ge), ("< ", self.lt), ("<=", self.le))
+                 if limit is not None]
+        text = " and ".join(p.replace("  ", " ") for p in parts)
+        return f"{text} ({self.why})" if self.why else text
+
+
+def bounds_of(annotation: Any) -> list[Bound]:
+    """The ``Bound`` markers of an annotation (in ``Annotated[...]``, also inside a union)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return [m for m in annotation.__metadata__ if isinstance(m, Bound)]
+    if origin in (typing.Union, types.UnionType):
+        return [b for arm in typing.get_args(annotation) for b in bounds_of(arm)]
+    return []
+
+
+def check_bounds(name: str, value: Any, annotation: Any) -> None:
+    """ValueError ``"<name> must be > 0, got -1"`` when ``value`` is outside a ``Bound`` of the annotation."""
+    for bound in bounds_of(annotation):
+        if not bound.allows(value):
+            raise ValueError(f"{name} must be {bound.describe()}, got {value!r}")
+
+
 def type_hints(fn: Any) -> dict[str, Any]:
-    """Resolved annotations of ``fn``'s parameters (a class: its dataclass fields or ``__init__``);
-    ``{}`` when they cannot be resolved."""
+    """Resolved annotations of ``fn``'s parameters (a class: its dataclass fields or ``__init__``),
+    ``Annotated`` extras kept; ``{}`` when they cannot be resolved."""
     try:
         if isinstance(fn, type):
-            hints = typing.get_type_hints(fn) if dataclasses.is_dataclass(fn) else {}
-            return hints or typing.get_type_hints(fn.__init__)
-        return typing.get_type_hints(fn)
+            hints = typing.get_type_hints(fn, include_extras=True) if dataclasses.is_dataclass(fn) else {}
+            return hints or typing.get_type_hints(fn.__init__, include_extras=True)
+        return typing.get_type_hints(fn, include_extras=True)
     except Exception:  # noqa: BLE001 - unresolvable annotations: the component checks its own values
         return {}
 
@@ -44,6 +87,8 @@ def allowed_kinds(annotation: Any) -> tuple[list[Any], list[Any]] | None:
     """``(scalar types, literal choices)`` an annotation allows (``None`` arms dropped); None if it is
     not that simple (a container, a class, ``Any``)."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return allowed_kinds(typing.get_args(annotation)[0])
     if origin is Literal:
         return [], list(typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
@@ -97,6 +142,8 @@ def _allows_none(annotation: Any) -> bool:
     if annotation is None or annotation is type(None):
         return True
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _allows_none(typing.get_args(annotation)[0])
     if origin is Literal:
         return None in typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -107,7 +154,7 @@ def _allows_none(annotation: Any) -> bool:
 @functools.lru_cache(maxsize=None)
 def _literal_hints(owner: Any) -> tuple[tuple[str, Any, tuple[list[Any], list[Any]]], ...]:
     """``(name, annotation, (scalars, choices))`` of every field / parameter of ``owner`` whose
-    annotation holds Literal choices."""
+    annotation holds Literal choices or a ``Bound``."""
     if isinstance(owner, type):
         names = [f.name for f in dataclasses.fields(owner)]
     else:
@@ -118,7 +165,7 @@ def _literal_hints(owner: Any) -> tuple[tuple[str, Any, tuple[list[Any], list[An
         if name not in hints:
             continue
         kinds = allowed_kinds(hints[name])
-        if kinds is not None and kinds[1]:
+        if kinds is not None and (kinds[1] or bounds_of(hints[name])):
             out.append((name, hints[name], kinds))
     return tuple(out)
 
@@ -127,7 +174,7 @@ def _resolve(owner: Any, names: list[str]) -> dict[str, Any]:
     """Resolved annotations; if one of them cannot be resolved (a name imported only for type
     checking), the others still are, one by one."""
     try:
-        return typing.get_type_hints(owner)
+        return typing.get_type_hints(owner, include_extras=True)
     except Exception:  # noqa: BLE001 - fall back to resolving each annotation on its own
         pass
     if isinstance(owner, type):
@@ -145,7 +192,7 @@ def _resolve(owner: Any, names: list[str]) -> dict[str, Any]:
             continue
         holder = type("_OneAnnotation", (), {"__annotations__": {name: raw[name]}})
         try:
-            out[name] = typing.get_type_hints(holder, globalns=namespace)[name]
+            out[name] = typing.get_type_hints(holder, globalns=namespace, include_extras=True)[name]
         except Exception:  # noqa: BLE001 - this one stays unchecked
             continue
     return out
@@ -153,18 +200,20 @@ def _resolve(owner: Any, names: list[str]) -> dict[str, Any]:
 
 def check_choice(name: str, value: Any, annotation: Any) -> None:
     """ValueError ``"<name> must be one of 'a' or 'b', got 'c'"`` when ``value`` does not fit an
-    annotation that holds Literal choices (``None`` passes where the annotation allows it)."""
+    annotation that holds Literal choices, or ``"<name> must be > 0, got -1"`` when it is outside its
+    ``Bound`` (``None`` passes where the annotation allows it)."""
     kinds = allowed_kinds(annotation)
-    if kinds is None or not kinds[1]:
+    if kinds is None:
         return
     if value is None and _allows_none(annotation):
         return
-    if not value_fits(value, *kinds):
+    if kinds[1] and not value_fits(value, *kinds):
         raise ValueError(f"{name} must be {describe_kinds(*kinds)}, got {value!r}")
+    check_bounds(name, value, annotation)
 
 
 def check_literal_fields(obj: Any, prefix: str | None = None) -> None:
-    """Check every ``Literal``-typed field of the dataclass instance ``obj`` against its annotation.
+    """Check every ``Literal``-typed or ``Bound``-annotated field of the dataclass instance ``obj``.
 
     Messages name the field as ``<prefix>.<field>`` (``prefix`` defaults to the class name), the
     value and the allowed values. Call it from ``__post_init__``.
@@ -177,7 +226,7 @@ def check_literal_fields(obj: Any, prefix: str | None = None) -> None:
 
 def check_literal_args(fn: Any, prefix: str | None, values: Mapping[str, Any]) -> None:
     """Check the arguments in ``values`` (e.g. ``locals()`` at the top of ``__init__``) whose
-    parameter of ``fn`` is ``Literal``-typed; messages name them as ``<prefix>.<name>``."""
+    parameter of ``fn`` is ``Literal``-typed or ``Bound``-annotated; messages name them as ``<prefix>.<name>``."""
     for name, annotation, _ in _literal_hints(fn):
         if name in values:
             check_choice(f"{prefix}.{name}" if prefix else name, values[name], annotation)

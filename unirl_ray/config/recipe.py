@@ -38,7 +38,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from unirl_ray.config.checks import allowed_kinds, describe_kinds, type_hints, value_fits
+from unirl_ray.config.checks import allowed_kinds, bounds_of, describe_kinds, type_hints, value_fits
 
 logger = logging.getLogger(__name__)
 
@@ -287,20 +287,50 @@ def allowed_prefixes_from_env() -> list[str] | None:
     return prefixes or None
 
 
-def _check_allowed(
-    target: str, path: str, allowed: Sequence[str] | None, what: str = "_target_"
-) -> None:
-    if allowed is None:
-        return
-    dotted = target.replace(":", ".")
+def _is_allowed(dotted: str, allowed: Sequence[str]) -> bool:
     for prefix in allowed:
         stem = prefix.rstrip(".")
         if dotted == stem or dotted.startswith(stem + "."):
-            return
+            return True
+    return False
+
+
+def _check_allowed(
+    target: str, path: str, allowed: Sequence[str] | None, what: str = "_target_"
+) -> None:
+    if allowed is None or _is_allowed(target.replace(":", "."), allowed):
+        return
     raise RecipeError(
         f"{_where(path)}: {what} {target!r} is outside the allowed prefixes {list(allowed)};"
         f" use one from them, or ask the cluster admin to extend {ALLOWED_PREFIXES_ENV}"
         " (or the trainer's allowed_target_prefixes)"
+    )
+
+
+def defined_in(obj: Any) -> str:
+    """``module.qualname`` of what ``obj`` is: where a function, class or method was defined (a bound
+    method: its function; an instance: its class), whatever attribute path led to it."""
+    if inspect.ismodule(obj):
+        return obj.__name__
+    inner = getattr(obj, "__func__", obj)  # bound and class methods
+    module, name = getattr(inner, "__module__", None), getattr(inner, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(name, str):
+        module, name = type(obj).__module__, type(obj).__qualname__
+    return f"{module}.{name}"
+
+
+def check_reached(obj: Any, target: str, path: str, allowed: Sequence[str] | None, what: str = "_target_") -> None:
+    """The allow-list holds on the object an import path reaches, not on its spelling: a module of an
+    allowed package that imported ``os`` must not make ``pkg.mod.os.system`` allowed."""
+    if allowed is None:
+        return
+    home = defined_in(obj)
+    if _is_allowed(home, allowed):
+        return
+    raise RecipeError(
+        f"{_where(path)}: {what} {target!r} reaches {home}, which is outside the allowed prefixes"
+        f" {list(allowed)} (the allow-list holds on what a path reaches, not on how it is spelled);"
+        f" name an object defined under them, or ask the cluster admin to extend {ALLOWED_PREFIXES_ENV}"
     )
 
 
@@ -317,12 +347,12 @@ def _import_path_values(plain: Any, path: str = "") -> Iterator[tuple[str, str]]
             yield from _import_path_values(value, _join(path, index))
 
 
-def locate(target: str, path: str = "") -> Any:
+def locate(target: str, path: str = "", *, what: str = "_target_") -> Any:
     """Import ``pkg.mod.Name`` or ``pkg.mod.Class.method`` with importlib; RecipeError otherwise."""
     parts = target.split(".") if isinstance(target, str) else []
     if len(parts) < 2 or not all(p.isidentifier() for p in parts):
         raise RecipeError(
-            f"{_where(path)}: _target_ {target!r} is not a dotted import path like 'pkg.mod.Name'"
+            f"{_where(path)}: {what} {target!r} is not a dotted import path like 'pkg.mod.Name'"
         )
     module, used, missing = None, 0, None
     for used in range(len(parts) - 1, 0, -1):
@@ -335,35 +365,35 @@ def locate(target: str, path: str = "") -> Any:
                 missing = exc
                 continue
             raise RecipeError(
-                f"{_where(path)}: importing {name!r} for _target_ {target!r} failed: {exc}"
+                f"{_where(path)}: importing {name!r} for {what} {target!r} failed: {exc}"
             ) from exc
         except Exception as exc:  # noqa: BLE001 - any import-time failure is a recipe problem here
             raise RecipeError(
-                f"{_where(path)}: importing {name!r} for _target_ {target!r} raised"
+                f"{_where(path)}: importing {name!r} for {what} {target!r} raised"
                 f" {type(exc).__name__}: {exc}"
             ) from exc
     if module is None:
-        raise RecipeError(f"{_where(path)}: _target_ {target!r}: no importable module ({missing})")
+        raise RecipeError(f"{_where(path)}: {what} {target!r}: no importable module ({missing})")
     obj, owner = module, ".".join(parts[:used])
     for attr in parts[used:]:
         if not hasattr(obj, attr):
-            raise _missing_attribute(obj, owner, attr, target, path)
+            raise _missing_attribute(obj, owner, attr, target, path, what)
         obj, owner = getattr(obj, attr), f"{owner}.{attr}"
     if not callable(obj):
-        raise RecipeError(f"{_where(path)}: _target_ {target!r} is not callable")
+        raise RecipeError(f"{_where(path)}: {what} {target!r} is not callable")
     return obj
 
 
-def _missing_attribute(obj: Any, owner: str, attr: str, target: str, path: str) -> RecipeError:
+def _missing_attribute(obj: Any, owner: str, attr: str, target: str, path: str, what: str = "_target_") -> RecipeError:
     names = [n for n in dir(obj) if not n.startswith("_")]
-    what = "attribute"
+    kind = "attribute"
     if hasattr(obj, "__path__"):  # a package: the missing name may be a submodule
         names += [m.name for m in pkgutil.iter_modules(obj.__path__)]
-        what = "submodule or attribute"
+        kind = "submodule or attribute"
     close = difflib.get_close_matches(attr, sorted(set(names)), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     return RecipeError(
-        f"{_where(path)}: _target_ {target!r}: {owner!r} has no {what} {attr!r}.{hint}"
+        f"{_where(path)}: {what} {target!r}: {owner!r} has no {kind} {attr!r}.{hint}"
     )
 
 
@@ -406,7 +436,7 @@ def _check_signature(
 
 def _check_types(fn: Any, node: Mapping[str, Any], path: str) -> None:
     """Scalar recipe values must match the target's ``bool``/``int``/``float``/``str``/``Literal``
-    annotations (``None`` and nested targets are left to the component)."""
+    annotations and their ``Bound`` ranges (``None`` and nested targets are left to the component)."""
     hints = type_hints(fn)
     for key, value in node.items():
         if key in RESERVED_KEYS or key not in hints or value is None:
@@ -414,12 +444,15 @@ def _check_types(fn: Any, node: Mapping[str, Any], path: str) -> None:
         if isinstance(value, dict) and TARGET_KEY in value:
             continue
         allowed = allowed_kinds(hints[key])
-        if allowed is None or value_fits(value, *allowed):
-            continue
-        raise RecipeError(
-            f"`{_join(path, key)}` must be {describe_kinds(*allowed)}, got {value!r}"
-            f" ({type(value).__name__}); fix it in the recipe or override it: {_join(path, key)}=..."
-        )
+        if allowed is not None and not value_fits(value, *allowed):
+            raise RecipeError(
+                f"`{_join(path, key)}` must be {describe_kinds(*allowed)}, got {value!r}"
+                f" ({type(value).__name__}); fix it in the recipe or override it: {_join(path, key)}=..."
+            )
+        for bound in bounds_of(hints[key]):
+            if not bound.allows(value):
+                raise RecipeError(f"`{_join(path, key)}` must be {bound.describe()}, got {value!r}; fix it in the"
+                                  f" recipe or override it: {_join(path, key)}=...")
 
 
 def _target_nodes(plain: Any, path: str = "") -> Iterator[tuple[str, dict]]:
@@ -461,6 +494,9 @@ def validate_targets(
     plain = _to_plain(cfg)
     for path, value in _import_path_values(plain):
         _check_allowed(value, path, allowed_target_prefixes, what="import path")
+        if allowed_target_prefixes is not None:
+            check_reached(locate(value.replace(":", "."), path, what="import path"), value, path,
+                          allowed_target_prefixes, what="import path")
     for path, node in _target_nodes(plain):
         target = node[TARGET_KEY]
         if not isinstance(target, str):
@@ -469,6 +505,7 @@ def validate_targets(
             )
         _check_allowed(target, path, allowed_target_prefixes)
         fn = locate(target, path)
+        check_reached(fn, target, path, allowed_target_prefixes)
         _check_signature(fn, node, path, set(extra[path]) if path in extra else None)
         _check_types(fn, node, path)
 
@@ -525,6 +562,7 @@ def _call_target(
         )
     _check_allowed(target, path, allowed)
     fn = locate(target, path)
+    check_reached(fn, target, path, allowed)
     recursive = bool(node.get("_recursive_", True))
     args = {
         key: (_build(item, _join(path, key), allowed) if recursive else item)

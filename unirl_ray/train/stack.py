@@ -13,30 +13,35 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
 
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
+from unirl_ray.config.checks import Bound, check_literal_args
 from unirl_ray.core.sample import Sample, TrainStepResult
 from unirl_ray.train.backend.fsdp import FSDPBackend
+
+
+AtLeastOne = Annotated[int, Bound(ge=1)]
+GradNorm = Annotated[float, Bound(gt=0, why="null: no clipping; a negative norm would flip every gradient")]
 
 
 @dataclass(kw_only=True)
 class TrainStackConfig:
     """Mini-batching of one train step."""
 
-    micro_batch_size: int = 1
+    micro_batch_size: AtLeastOne = 1
     """Samples per forward/backward on one rank (a memory knob: it does not change the math)."""
-    mini_batch_size: int | None = None
+    mini_batch_size: AtLeastOne | None = None
     """Samples per optimizer step over ALL ranks (each rank takes ``mini_batch_size / world_size``);
     None: the whole step's batch, one optimizer step per epoch. Global, so the same recipe does the
     same math on any number of workers."""
-    num_updates_per_batch: int = 1
+    num_updates_per_batch: AtLeastOne = 1
     """Epochs over the shard (PPO); > 1 needs ``StageAlgorithm.supports_multi_update``."""
-    max_grad_norm: float | None = 1.0
-    """Gradient clipping threshold (None: no clipping)."""
+    max_grad_norm: GradNorm | None = 1.0
+    """Gradient clipping threshold, > 0 (None: no clipping)."""
 
 
 class TrainStack:
@@ -45,27 +50,24 @@ class TrainStack:
     def __init__(
         self,
         *,
-        micro_batch_size: int = 1,
-        mini_batch_size: int | None = None,
-        num_updates_per_batch: int = 1,
-        max_grad_norm: float | None = 1.0,
+        micro_batch_size: AtLeastOne = 1,
+        mini_batch_size: AtLeastOne | None = None,
+        num_updates_per_batch: AtLeastOne = 1,
+        max_grad_norm: GradNorm | None = 1.0,
         fsdp_backend: FSDPBackend | None = None,
         algorithm: StageAlgorithm | None = None,
     ) -> None:
+        check_literal_args(TrainStack.__init__, "stack", locals())
         self.cfg = TrainStackConfig(
             micro_batch_size=micro_batch_size,
             mini_batch_size=mini_batch_size,
             num_updates_per_batch=num_updates_per_batch,
             max_grad_norm=max_grad_norm,
         )
-        if micro_batch_size < 1:
-            raise ValueError(f"stack.micro_batch_size must be >= 1, got {micro_batch_size}")
-        if mini_batch_size is not None and (mini_batch_size < 1 or mini_batch_size % micro_batch_size):
+        if mini_batch_size is not None and mini_batch_size % micro_batch_size:
             raise ValueError(
                 f"stack.mini_batch_size ({mini_batch_size}) must be a positive multiple of micro_batch_size ({micro_batch_size})"
             )
-        if num_updates_per_batch < 1:
-            raise ValueError(f"stack.num_updates_per_batch must be >= 1, got {num_updates_per_batch}")
         if algorithm is not None and num_updates_per_batch > 1 and not algorithm.supports_multi_update:
             raise ValueError(
                 f"stack.num_updates_per_batch={num_updates_per_batch} but {type(algorithm).__name__} does not "

@@ -258,8 +258,10 @@ class FSDPBackend:
         """Clip, step, advance the schedule (and an EMA timed per optimizer step); returns
         ``grad_norm`` (pre-clip) and ``lr``."""
         self._require_live_weights("optimizer_step()")
+        if max_grad_norm is not None and not max_grad_norm > 0:  # torch would scale every gradient by a negative factor
+            raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got {max_grad_norm!r}")
         params = list(self.trainable_parameters())
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_grad_norm or float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf") if max_grad_norm is None else max_grad_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]

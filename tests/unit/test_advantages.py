@@ -57,3 +57,25 @@ def test_empty_and_length_mismatch():
     assert adv == [] and m["algo/adv_mean"] == 0.0
     with pytest.raises(ValueError, match="group id"):
         group_advantages([1.0, 2.0], ["g"])
+
+
+def test_rewards_near_the_float_limit_do_not_overflow_the_statistics():
+    # 1e308 passed as a valid reward; the group sums overflowed and every advantage (and loss) was NaN
+    from unirl_ray.algorithms.diffusion_nft import DiffusionNFT
+    from unirl_ray.algorithms.grpo import rloo_advantages
+    from unirl_ray.core.sample import Sample
+
+    huge = [1e308, -1e308, 1e308, 0.0, 1.7e308, 1.7e308, -1.7e308, 1e-300]
+    groups = ["a"] * 4 + ["b"] * 4
+    adv, metrics = group_advantages(huge, groups)
+    unit, _ = group_advantages([1.0, -1.0, 1.0, 0.0, 1.0, 1.0, -1.0, 0.0], groups)  # the same shape, scaled
+    assert adv == pytest.approx(unit, rel=1e-3)  # the same up to eps (1e-4 against a std of ~1 there, ~0 here)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert all(math.isfinite(a) for a in rloo_advantages(huge, groups, normalize_std=True))
+    with pytest.raises(ValueError, match=r"advantages overflow: rewards reach 1.7e\+308.*normalize_std"):
+        group_advantages(huge, groups, normalize_std=False)  # r - mean itself is out of float range
+    with pytest.raises(ValueError, match=r"RLOO advantages overflow"):
+        rloo_advantages(huge, groups)
+    samples = [Sample(sample_id=f"s{i}", group_id=g, prompt="p", reward=r) for i, (g, r) in enumerate(zip(groups, huge))]
+    nft_metrics = DiffusionNFT(group_size=4, global_std=True).compute_advantages(samples)
+    assert all(math.isfinite(s.advantage) for s in samples) and all(math.isfinite(v) for v in nft_metrics.values())

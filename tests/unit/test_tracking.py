@@ -54,7 +54,9 @@ def test_run_logs_params_metrics_images_and_artifacts(store) -> None:
     assert len(run.data.params) == 151 and run.data.params["reward.weight"] == "0.5"
     history = client.get_metric_history(run_id, "reward/mean")
     assert [(m.step, m.value) for m in history] == [(0, 0.25), (1, 0.75)]
-    assert set(run.data.metrics) == {"reward/mean", "bad key_"}  # NaN skipped, key sanitised
+    # NaN logged as such and counted (a chart never goes silently empty), the key sanitised
+    assert set(run.data.metrics) == {"reward/mean", "bad key_", "algo/kl", "health/non_finite_metrics"}
+    assert math.isnan(run.data.metrics["algo/kl"]) and run.data.metrics["health/non_finite_metrics"] == 1.0
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.artifact_location == (root.resolve() / "mlartifacts").as_uri()
     files = {a.path for a in client.list_artifacts(run_id)}
@@ -104,13 +106,14 @@ def test_dead_server_falls_back_to_jsonl_with_one_warning(tmp_path, monkeypatch,
         tracker.log_text("hello", "notes.txt")
         tracker.end()
     assert tracker.degraded
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "127.0.0.1:1" in warnings[0].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "127.0.0.1:1" in warnings[0]  # the server once, the infinite metric once
+    assert warnings[1].startswith("metric x is inf at step 1")
     lines = (tmp_path / "dead" / "mlflow_fallback.jsonl").read_text().splitlines()
     metrics = [json.loads(line) for line in lines if '"metrics"' in line]
     assert [(m["step"], m["metrics"]) for m in metrics] == [
         (0, {"reward/mean": 0.5}),
-        (1, {"reward/mean": 0.6}),
+        (1, {"reward/mean": 0.6, "x": math.inf, "health/non_finite_metrics": 1.0}),
     ]
     artifacts = tmp_path / "dead" / "fallback_artifacts"
     assert (artifacts / "notes.txt").read_text() == "hello"

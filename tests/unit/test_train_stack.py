@@ -92,6 +92,40 @@ def test_train_step_lowers_loss_and_counts_optimizer_steps():
     assert 0 < m["timing/forward_backward"] + m["timing/optimizer_step"] <= m["timing/train_step"]
 
 
+class PoisonedAdvantage(RegressToZero):
+    """The loss of an advantage that overflowed: NaN."""
+
+    def compute_loss_and_backward(self, samples, segment, ctx: LossContext):
+        part = super().compute_loss_and_backward(samples, segment, ctx)
+        return {**part, "loss": float("nan")}
+
+
+class InfiniteGradient(RegressToZero):
+    def compute_loss_and_backward(self, samples, segment, ctx: LossContext):
+        x = torch.stack([torch.tensor(s.columns["x"]) for s in samples])
+        (ctx.policy(x).sum() * float("inf")).backward()
+        return {"loss": 1.0, "count": len(samples)}
+
+
+@pytest.mark.parametrize("algorithm, message", [
+    (PoisonedAdvantage(), r"non-finite loss in mini-batch 1 of policy version 2 \(loss on this rank\)"),
+    (InfiniteGradient(), r"the gradient norm is (nan|inf) before optimizer step 2"),
+])
+def test_a_non_finite_loss_or_gradient_stops_the_step_before_the_optimizer(algorithm, message):
+    stack = make_stack(micro_batch_size=4)
+    stack.train(make_samples(4), seed=0)  # a good step first
+    good = {n: p.detach().clone() for n, p in stack.backend.module.named_parameters()}
+    moments = [t.clone() for st in stack.backend.optimizer.state.values() for t in (st["exp_avg"], st["exp_avg_sq"])]
+    stack.algorithm = algorithm
+    with pytest.raises(FloatingPointError, match=message):
+        stack.train(make_samples(4), seed=1)
+    after = dict(stack.backend.module.named_parameters())
+    assert all(torch.equal(after[n], good[n]) for n in good)  # the optimizer did not step: nothing NaN to save
+    state = [t for st in stack.backend.optimizer.state.values() for t in (st["exp_avg"], st["exp_avg_sq"])]
+    assert all(torch.equal(a, b) for a, b in zip(state, moments, strict=True))
+    assert stack.policy_version == 1 and stack.backend.optimizer_steps == 1
+
+
 def test_multi_update_refused_without_support():
     backend = FSDPBackend(block_class_names=["Block"], trainable_attr="net", bundle=Bundle())
     with pytest.raises(ValueError, match="does not support multiple updates"):

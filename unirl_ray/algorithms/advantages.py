@@ -10,6 +10,27 @@ def _is_valid(r: float | None) -> bool:
     return r is not None and math.isfinite(r)
 
 
+def scaled_group_stats(values: list[float]) -> tuple[float, list[float], float, float]:
+    """``(s, u, mean_u, std_u)`` with ``u = v / s`` for ``s = max |v|``: a group's statistics computed on
+    values in [-1, 1], so rewards near the float limit (1e308) cannot overflow the sums (population std)."""
+    scale = max(abs(v) for v in values) or 1.0
+    u = [v / scale for v in values]
+    mean = math.fsum(u) / len(u)
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in u) / len(u))
+    return scale, u, mean, std
+
+
+def check_finite_advantages(adv: list[float], rewards: list[float | None], what: str) -> None:
+    """ValueError when an advantage overflowed (unnormalised advantages of rewards near the float limit)."""
+    if all(math.isfinite(a) for a in adv):
+        return
+    largest = max((abs(r) for r in rewards if _is_valid(r)), default=float("nan"))
+    raise ValueError(
+        f"{what} advantages overflow: rewards reach {largest:.3g}, and without std normalisation r - mean is "
+        "not a finite float. Scale the reward down (its weight in reward.rewards) or set normalize_std=true"
+    )
+
+
 def group_advantages(
     rewards: list[float | None],
     group_ids: list[str],
@@ -20,7 +41,8 @@ def group_advantages(
     """Advantage ``(r - mean_g) / (std_g + eps)`` (or ``r - mean_g``) per sample, over its group ``g``.
 
     Only valid rewards (not ``None``, finite) enter a group's statistics; ``std_g`` is the population
-    standard deviation (ddof = 0). Invalid samples get 0.0. A group with fewer than 2 valid members,
+    standard deviation (ddof = 0), computed without overflow for any finite rewards (a ValueError if
+    the unnormalised advantage itself is out of float range). Invalid samples get 0.0. A group with fewer than 2 valid members,
     or whose valid rewards are all equal, gets 0.0 for every member (no learning signal).
 
     Metrics (over all samples unless said otherwise):
@@ -41,11 +63,11 @@ def group_advantages(
         if len(values) < 2 or max(values) == min(values):
             zero_groups += 1
             continue
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        scale = 1.0 / (std + eps) if normalize_std else 1.0
-        for i, v in zip(valid, values):
-            adv[i] = (v - mean) * scale
+        # (v - mean) / (std + eps) == (u - mean_u) / (std_u + eps / s): finite for any finite rewards
+        s, u, mean, std = scaled_group_stats(values)
+        for i, x in zip(valid, u):
+            adv[i] = (x - mean) / (std + eps / s) if normalize_std else (x - mean) * s
+    check_finite_advantages(adv, rewards, "group-relative")
     return adv, _metrics(adv, rewards, zero_groups, len(members))
 
 
@@ -54,10 +76,10 @@ def _metrics(adv: list[float], rewards: list[float | None], zero_groups: int, n_
     if n == 0:
         keys = ("adv_mean", "adv_std", "adv_abs_max", "zero_std_group_frac", "invalid_reward_frac")
         return {f"algo/{k}": 0.0 for k in keys}
-    mean = sum(adv) / n
+    mean = math.fsum(adv) / n
     return {
         "algo/adv_mean": mean,
-        "algo/adv_std": math.sqrt(sum((a - mean) ** 2 for a in adv) / n),
+        "algo/adv_std": math.sqrt(math.fsum((a - mean) ** 2 for a in adv) / n),
         "algo/adv_abs_max": max(abs(a) for a in adv),
         "algo/zero_std_group_frac": zero_groups / n_groups,
         "algo/invalid_reward_frac": sum(not _is_valid(r) for r in rewards) / n,

@@ -171,19 +171,25 @@ class DiffusionNFT(StageAlgorithm):
                 "DiffusionNFT: %d of %d groups do not have group_size=%d members", bad, len(sizes), self.group_size
             )
         rewards = [s.reward for s in samples]
-        per_group_std = self.normalize_std and not self.global_std
-        advs, metrics = group_advantages(rewards, [s.group_id for s in samples], normalize_std=per_group_std)
-        adv = torch.tensor(advs, dtype=torch.float64)
+        groups = [s.group_id for s in samples]
         if self.normalize_std and self.global_std:
-            valid = torch.tensor([float(r) for r in rewards if r is not None and math.isfinite(r)], dtype=torch.float64)
-            std = float(valid.std(unbiased=False)) if valid.numel() > 1 else 0.0
-            adv = adv / (std + STD_EPS)
+            # on r / S (S = max |r|) nothing overflows: (r - mean_g) / (std + eps) == (u - mean_u) / (std_u + eps / S)
+            valid = [float(r) for r in rewards if r is not None and math.isfinite(r)]
+            scale = max((abs(r) for r in valid), default=0.0) or 1.0
+            scaled = [None if r is None or not math.isfinite(r) else r / scale for r in rewards]
+            advs, metrics = group_advantages(scaled, groups, normalize_std=False)  # invalid where rewards are
+            u = torch.tensor([r / scale for r in valid], dtype=torch.float64)
+            std = float(u.std(unbiased=False)) if u.numel() > 1 else 0.0
+            adv = torch.tensor(advs, dtype=torch.float64) / (std + STD_EPS / scale)
             if len(advs):
-                metrics.update({
+                metrics.update({  # of the normalised advantages
                     "algo/adv_mean": float(adv.mean()),
                     "algo/adv_std": float(adv.std(unbiased=False)),
                     "algo/adv_abs_max": float(adv.abs().max()),
                 })
+        else:
+            advs, metrics = group_advantages(rewards, groups, normalize_std=self.normalize_std)
+            adv = torch.tensor(advs, dtype=torch.float64)
         for s, a in zip(samples, adv.tolist()):
             s.advantage = a
         if len(advs):

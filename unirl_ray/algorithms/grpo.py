@@ -53,7 +53,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from unirl_ray.algorithms.advantages import group_advantages
+from unirl_ray.algorithms.advantages import check_finite_advantages, group_advantages, scaled_group_stats
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
 from unirl_ray.algorithms.off_policy import OffPolicyCorrection, correction_stats
 from unirl_ray.config.checks import check_choice, check_literal_args
@@ -112,13 +112,12 @@ def rloo_advantages(
         n = len(values)
         if n < 2 or max(values) == min(values):
             continue
-        total = sum(values)
-        mean = total / n
-        scale = 1.0
-        if normalize_std:
-            scale = 1.0 / (math.sqrt(sum((v - mean) ** 2 for v in values) / n) + eps)
-        for i, v in zip(valid, values):
-            adv[i] = (v - (total - v) / (n - 1)) * scale
+        # on u = v / s (see scaled_group_stats): r_i - mean_{j != i} r_j == n/(n-1) (r_i - mean) == s n/(n-1) (u_i - mean_u)
+        s, u, mean, std = scaled_group_stats(values)
+        for i, x in zip(valid, u):
+            loo = (x - mean) * n / (n - 1)
+            adv[i] = loo / (std + eps / s) if normalize_std else loo * s
+    check_finite_advantages(adv, rewards, "RLOO")
     return adv
 
 

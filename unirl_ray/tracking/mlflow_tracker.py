@@ -161,6 +161,7 @@ class MLflowTracker:
         self._degraded = False
         self._ended = False
         self._logged_params: dict[str, str] = {}
+        self._warned_non_finite: set[str] = set()
         self._lock = threading.RLock()
         self._open_args: tuple[Path, str, str | None, dict[str, Any]] | None = None
         self._pending: deque[dict[str, Any]] = deque(maxlen=MAX_PENDING)
@@ -354,8 +355,11 @@ class MLflowTracker:
             self._guarded("log_params", call, lambda: self._append_jsonl(record), pending=record)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Log finite scalar metrics at ``step`` (non-finite or non-numeric ones are skipped)."""
+        """Log scalar metrics at ``step`` (non-numeric ones are skipped). Non-finite values are logged as
+        they are (MLflow keeps NaN; it stores +-inf as the largest float), counted in
+        ``health/non_finite_metrics`` and warned about once per key: a chart never goes silently empty."""
         clean: dict[str, float] = {}
+        non_finite = 0
         for key, value in metrics.items():
             try:
                 number = float(value)
@@ -363,9 +367,14 @@ class MLflowTracker:
                 logger.debug("metric %s=%r is not a number; skipped", key, value)
                 continue
             if not math.isfinite(number):
-                logger.debug("metric %s=%r at step %d is not finite; skipped", key, number, step)
-                continue
+                non_finite += 1
+                if key not in self._warned_non_finite:
+                    self._warned_non_finite.add(key)
+                    logger.warning("metric %s is %r at step %d (logged as such; later ones are only counted in "
+                                   "health/non_finite_metrics)", key, number, step)
             clean[sanitize_key(key)] = number
+        if non_finite:
+            clean["health/non_finite_metrics"] = float(non_finite)
         if not clean:
             return
         timestamp = int(time.time() * 1000)

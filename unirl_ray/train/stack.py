@@ -11,6 +11,7 @@ equal-sized and the mini-batch layout depends only on the shard size and the ste
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -122,7 +123,9 @@ class TrainStack:
             for start in range(0, len(samples), mini):
                 batch = [samples[i] for i in order[start : start + mini]]
                 t1 = time.perf_counter()
-                self._accumulate(sums, self._mini_batch(batch, segment, first_pass=n_opt == 0))
+                part = self._mini_batch(batch, segment, first_pass=n_opt == 0)
+                self._refuse_non_finite(part, n_opt)
+                self._accumulate(sums, part)
                 t2 = time.perf_counter()
                 step = self.backend.optimizer_step(self.cfg.max_grad_norm)
                 t_loss, t_opt = t_loss + t2 - t1, t_opt + time.perf_counter() - t2
@@ -144,6 +147,24 @@ class TrainStack:
             num_samples=len(samples) * world,
             num_optimizer_steps=n_opt,
         )
+
+    def _refuse_non_finite(self, part: dict[str, float], n_opt: int) -> None:
+        """Collective: raise before the optimizer steps when a loss term of this mini-batch is not finite
+        on any rank (every rank raises, so none waits in a collective). The weights stay those of the
+        last finished step and nothing of this step reaches a checkpoint."""
+        bad = sorted(k for k, v in part.items() if (k == "kl" or "loss" in k) and not math.isfinite(float(v)))
+        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            flag = flag.to(device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if float(flag.item()) > 0:
+            where = f"{', '.join(bad)} on this rank" if bad else "on another rank"
+            raise FloatingPointError(
+                f"non-finite loss in mini-batch {n_opt + 1} of policy version {self.policy_version + 1} ({where}): "
+                f"the optimizer did not step. Look at this step's rewards and advantages (reward/*, "
+                f"algo/adv_abs_max) and at the learning rate; the last checkpoint is intact"
+            )
 
     def _proximal(self, samples: list[Sample], segment: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The algorithm's log-probs under the current weights (the proximal policy), per micro-batch, no grad."""

@@ -264,6 +264,13 @@ class FSDPBackend:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf") if max_grad_norm is None else max_grad_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        if not torch.isfinite(norm):  # the same total norm on every rank: every rank stops here
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"the gradient norm is {float(norm)} before optimizer step {self.optimizer_steps + 1}: the optimizer "
+                "did not step (clipping cannot repair a non-finite gradient). Look at this step's rewards, "
+                "advantages and learning rate; the weights are those of the last step"
+            )
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

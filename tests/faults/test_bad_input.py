@@ -57,6 +57,12 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
         ("stack.max_grad_norm=0", r"`stack.max_grad_norm` must be > 0 .*got 0"),
         ("stack.micro_batch_size=0", r"`stack.micro_batch_size` must be >= 1, got 0"),
         ("stack.num_updates_per_batch=0", r"`stack.num_updates_per_batch` must be >= 1, got 0"),
+        # run names are one folder name: ".." wrote checkpoints outside the storage path
+        ("trainer.run_name=..", r"trainer.run_name must be one folder name.*got '\.\.'"),
+        ("trainer.run_name=.", r"trainer.run_name must be one folder name.*got '\.'"),
+        ("trainer.run_name=a/b", r"trainer.run_name must be one folder name"),
+        # a constant reward trains nothing
+        ("reward.rewards.brightness.weight=0", r"every reward source has weight 0 \(reward.rewards.brightness.weight\)"),
     ],
 )
 def test_bad_recipe_values_fail_on_the_driver(override, message):
@@ -65,6 +71,41 @@ def test_bad_recipe_values_fail_on_the_driver(override, message):
     with pytest.raises(RecipeError, match=message):
         build(override)
     assert not ray.is_initialized()
+
+
+def test_remote_storage_needs_a_tracking_store_and_creates_no_local_uri_folders(tmp_path, monkeypatch):
+    # trainer.storage_path=s3://... put the default SQLite store in a local folder named "s3:"
+    from unirl_ray.tracking import MLflowTracker, TrackingConfig
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(RecipeError, match=r"storage_path=s3://bucket/runs is remote storage.*tracking.tracking_uri="):
+        build("trainer.storage_path=s3://bucket/runs")
+    trainer = build("trainer.storage_path=s3://bucket/runs", "tracking.tracking_uri=http://127.0.0.1:1")
+    assert trainer.run_cfg.storage_path == "s3://bucket/runs"  # kept as a URI, not made a local path
+    with pytest.raises(ValueError, match="remote storage"):
+        MLflowTracker(TrackingConfig()).start("s3://bucket/runs", "r")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    tracker = MLflowTracker(TrackingConfig(tracking_uri="http://127.0.0.1:1"))
+    tracker.start("s3://bucket/runs", "r")  # the server is down: the fallback log goes to the user's cache
+    tracker.log_metrics({"x": 1.0}, step=1)
+    assert not list(tmp_path.glob("s3*")) and not list(tmp_path.rglob("s3:"))
+    assert (tmp_path / "home" / ".cache" / "unirl_ray" / "tracking" / "s3" / "bucket" / "runs" / "r").is_dir()
+
+
+def test_a_run_whose_rewards_are_all_invalid_stops_instead_of_training_on_nothing():
+    from unirl_ray.core.sample import Sample
+
+    trainer = build()
+    bad = [Sample(sample_id=f"s{i}", group_id="g", prompt="p", reward=None) for i in range(4)]
+    good = [Sample(sample_id="s0", group_id="g", prompt="p", reward=0.5), *bad[1:]]
+    trainer._check_rewards_usable(1, bad)
+    trainer._check_rewards_usable(2, good)  # one usable reward resets the count
+    trainer._check_rewards_usable(3, bad)
+    trainer._check_rewards_usable(4, bad)
+    with pytest.raises(RuntimeError, match=r"steps 3\.\.5: every sample's reward was invalid.*reward.timeout_s"):
+        trainer._check_rewards_usable(5, bad)
 
 
 # ------------------------------------------------------------------ prompt files

@@ -19,3 +19,24 @@ def test_unschedulable_workers_fail_fast_with_names(ray_local, tmp_path):
     recipe = load_recipe(RECIPE, [f"trainer.storage_path={tmp_path}", "ray.scaling.resources_per_worker={CPU: 100}"])
     with pytest.raises(ValueError, match=r"CPU: need 200\.25, cluster has 8"):
         DiffusionTrainer(recipe).fit()
+
+
+def test_a_second_live_run_of_the_same_name_is_refused_before_it_deploys_anything(ray_local, tmp_path):
+    """Two live jobs of one run name replaced each other's Serve apps and shared a weight store; the name
+    is held by an actor owned by the driver, so a job that ended (or crashed) frees it."""
+    from ray import serve
+
+    from unirl_ray.runtime import run_lock
+
+    held = run_lock.acquire("twin")  # a live run of this name (here: in this job)
+    run_lock.RELEASE_WAIT_S, wait = 0.5, run_lock.RELEASE_WAIT_S
+    try:
+        recipe = load_recipe(RECIPE, [f"trainer.storage_path={tmp_path}", "trainer.run_name=twin"])
+        with pytest.raises(run_lock.RunNameInUse, match=r"a run named 'twin' is live on this cluster \(job \w+\).*"
+                                                        r"another trainer.run_name"):
+            DiffusionTrainer(recipe).fit()
+        assert not [a for a in serve.status().applications if a.startswith("twin-")]  # nothing deployed or deleted
+    finally:
+        run_lock.RELEASE_WAIT_S = wait
+        run_lock.release(held)
+    run_lock.release(run_lock.acquire("twin"))  # released: the name is free again at once

@@ -206,3 +206,37 @@ def test_sources_with_their_own_app_are_placed_apart():
                                                   "app": {"num_replicas": 0}}}})
     only_own = RewardConfig.from_dict({"rewards": {"b": {"fn": "unirl_ray.rewards.image.brightness", "app": {}}}})
     assert [suffix for suffix, _ in only_own.placements()] == ["-b"]
+
+
+# a reward that hangs until released: every call past its deadline keeps a thread
+_HANG = __import__("threading").Event()
+
+
+def _hangs(*, images, prompts, **columns):
+    _HANG.wait(60)
+    return [1.0] * len(prompts)
+
+
+def test_a_hanging_reward_never_starves_the_healthy_ones():
+    """With ``on_error: skip`` a hung source's timed-out calls kept their threads of one shared pool; once
+    it was full, healthy sources timed out too and every sample turned invalid. Each source now has its
+    own threads, and a source whose threads are all stuck is not started again (named in the error)."""
+    import asyncio
+
+    from unirl_ray.rewards.service import RewardService
+
+    config = RewardConfig(rewards={"bright": {"fn": "unirl_ray.rewards.image.brightness"}, "hang": {"fn": _hangs}},
+                          on_error="skip", timeout_s=0.2, max_ongoing_requests=1).to_dict()
+    service = RewardService.func_or_class(config)
+    images = [np.full((4, 4, 3), 255, np.uint8)]
+
+    async def calls(n):
+        return [await service.score_detailed(images, ["p"]) for _ in range(n)]
+
+    try:
+        results = asyncio.run(calls(6))
+    finally:
+        _HANG.set()
+    assert all(r["scores"]["bright"] == [pytest.approx(1.0)] for r in results)  # never starved
+    assert "did not finish within timeout_s=0.2 s" in results[0]["errors"]["hang"]
+    assert all("still running past timeout_s" in r["errors"]["hang"] for r in results[1:])

@@ -217,6 +217,14 @@ class RewardConfig:
                 raise ValueError(f"reward {name!r}: unknown key {key!r}{_did_you_mean(key, _SPEC_KEYS)}; allowed: {list(_SPEC_KEYS)}")
         return RewardFnSpec(name=name, fn=entry["fn"], weight=entry.get("weight", 1.0), kwargs=entry.get("kwargs") or {})
 
+    def check_learnable(self) -> None:
+        """ValueError when every source has weight 0: the total reward is the constant 0 and nothing
+        is learned (a trainer calls this; one app's share of the sources may log only)."""
+        if all(spec.weight == 0 for spec in self._specs):
+            names = ", ".join(f"reward.rewards.{spec.name}.weight" for spec in self._specs)
+            raise ValueError(f"every reward source has weight 0 ({names}): the total reward would be 0 for every "
+                             "sample and nothing would be learned; give at least one source a non-zero weight")
+
     @staticmethod
     def _check_app(name: str, app: Any) -> dict[str, Any]:
         """The placement of a source that runs as its own Serve app; ValueError on unknown keys."""

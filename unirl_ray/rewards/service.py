@@ -55,8 +55,12 @@ class RewardService:
     def __init__(self, config: Mapping[str, Any]):
         self._config = RewardConfig.from_dict(config)
         self._fns = {spec.name: spec.bound() for spec in self._config.specs}
-        workers = min(64, max(4, self._config.max_ongoing_requests * len(self._fns)))
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
+        # one pool per source: calls that time out keep running (a thread cannot be killed) but only
+        # ever hold their own source's threads, so a hung source never starves the healthy ones
+        self._limit = max(1, min(16, self._config.max_ongoing_requests))
+        self._pools = {name: ThreadPoolExecutor(max_workers=self._limit, thread_name_prefix=f"reward-{name}")
+                       for name in self._fns}
+        self._running = dict.fromkeys(self._fns, 0)  # calls in a thread, including abandoned ones
 
     def get_config(self) -> dict[str, Any]:
         """The config this replica was built from (used by ``RewardClient.connect``)."""
@@ -111,8 +115,14 @@ class RewardService:
         self, name: str, images: list, prompts: list, columns: Any, timeout_s: float
     ) -> tuple[Any, str | None, float]:
         start = time.perf_counter()
+        if self._running[name] >= self._limit:  # every thread of this source still runs a call past its deadline
+            return None, (f"not started: {self._running[name]} earlier calls of this reward are still running past "
+                          f"timeout_s={timeout_s:g} s (it hangs)"), 0.0
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, score_one, name, self._fns[name], images, prompts, columns)
+        self._running[name] += 1
+        call = self._pools[name].submit(score_one, name, self._fns[name], images, prompts, columns)
+        call.add_done_callback(lambda _: self._release_from_thread(loop, name))  # when the thread is done
+        future = asyncio.wrap_future(call, loop=loop)
         try:
             scores = await asyncio.wait_for(future, timeout=timeout_s)
             return scores, None, time.perf_counter() - start
@@ -123,6 +133,15 @@ class RewardService:
         except Exception as exc:  # noqa: BLE001 - reported per source, the client applies the policy
             cause = f"{type(exc).__name__}: {exc}"
         return None, cause, time.perf_counter() - start
+
+    def _release(self, name: str) -> None:
+        self._running[name] -= 1
+
+    def _release_from_thread(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        try:
+            loop.call_soon_threadsafe(self._release, name)
+        except RuntimeError:  # the replica's event loop is closed: it is shutting down, nothing left to count
+            pass
 
     async def __call__(self, request: Any) -> dict[str, Any]:
         """HTTP: POST JSON ``{"prompts": [...], "images": [base64 PNG/JPEG, ...], "columns": {...}}``.

@@ -85,14 +85,41 @@ class TrackingConfig:
             raise ValueError("tracking.experiment_name must not be empty")
 
 
+def is_uri(path: str | Path) -> bool:
+    """Whether a storage path is remote (``s3://``, ``gs://``, ``abfss://`` ...), not a local folder."""
+    return "://" in str(path)
+
+
+def check_tracking_store(config: TrackingConfig, run_root: str | Path) -> None:
+    """ValueError when the default store cannot exist: a SQLite file cannot live in remote storage."""
+    if config.enabled and is_uri(run_root) and not config.tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise ValueError(
+            f"trainer.storage_path={run_root} is remote storage, where MLflow's default SQLite store cannot live. "
+            "Give the store: tracking.tracking_uri=http://<mlflow-server>:5000 (or sqlite:////<shared>/mlflow.db "
+            "on a file system every node mounts), or set MLFLOW_TRACKING_URI; or tracking.enabled=false. "
+            "The run's artifacts then go next to its checkpoints, under <storage_path>/mlartifacts"
+        )
+
+
 def resolve_tracking_uri(config: TrackingConfig, run_root: str | Path) -> str:
-    """The config's URI, else env ``MLFLOW_TRACKING_URI``, else a SQLite DB in ``run_root``."""
+    """The config's URI, else env ``MLFLOW_TRACKING_URI``, else a SQLite DB in ``run_root`` (a local
+    folder; remote storage needs one of the first two: ``check_tracking_store``)."""
     if config.tracking_uri:
         return config.tracking_uri
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
+    check_tracking_store(config, run_root)
     return f"sqlite:///{Path(run_root).resolve() / 'mlflow.db'}"
+
+
+def _local_root(run_root: str | Path) -> Path:
+    """Where the tracker keeps its local files (the fallback log when the server is down): the run root
+    itself, or for remote storage a folder in the user's cache named after it (never a folder "s3:")."""
+    if not is_uri(run_root):
+        return Path(run_root).resolve()
+    scheme, _, rest = str(run_root).partition("://")
+    return Path.home() / ".cache" / "unirl_ray" / "tracking" / scheme / rest.strip("/")
 
 
 def _set_env_defaults() -> None:
@@ -158,6 +185,7 @@ class MLflowTracker:
         self._run_id: str | None = None
         self._tracking_uri: str | None = None
         self._local_dir: Path | None = None
+        self._artifact_root: str | None = None  # remote storage: the default artifact location goes there
         self._degraded = False
         self._ended = False
         self._logged_params: dict[str, str] = {}
@@ -182,9 +210,10 @@ class MLflowTracker:
         try:
             from mlflow import MlflowClient
 
-            root = Path(run_root).resolve()
+            root = _local_root(run_root)
             root.mkdir(parents=True, exist_ok=True)
-            self._experiment_id(root, MlflowClient(tracking_uri=resolve_tracking_uri(self.config, root)))
+            self._artifact_root = str(run_root) if is_uri(run_root) else None
+            self._experiment_id(root, MlflowClient(tracking_uri=resolve_tracking_uri(self.config, run_root)))
         except Exception as exc:  # noqa: BLE001 - start() reports what is still wrong
             logger.debug("preparing the MLflow store failed (start() retries): %s", exc)
 
@@ -199,10 +228,11 @@ class MLflowTracker:
         if not self.config.enabled:
             return ""
         _set_env_defaults()
-        root = Path(run_root).resolve()
+        self._tracking_uri = resolve_tracking_uri(self.config, run_root)  # ValueError: no store for remote storage
+        root = _local_root(run_root)
         root.mkdir(parents=True, exist_ok=True)
+        self._artifact_root = str(run_root) if is_uri(run_root) else None
         self._local_dir = root / run_name
-        self._tracking_uri = resolve_tracking_uri(self.config, root)
         self._degraded = self._ended = False
         self._open_args = (root, run_name, run_id, dict(tags or {}))
         self._pending.clear()
@@ -246,7 +276,7 @@ class MLflowTracker:
             return experiment.experiment_id
         location = self.config.artifact_location
         if location is None and str(client.tracking_uri).startswith("sqlite:"):
-            location = (root / "mlartifacts").as_uri()
+            location = f"{self._artifact_root.rstrip('/')}/mlartifacts" if self._artifact_root else (root / "mlartifacts").as_uri()
         try:
             return client.create_experiment(name, artifact_location=location)
         except Exception:  # another process (or prepare() in a thread) may have created it meanwhile

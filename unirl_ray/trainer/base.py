@@ -7,6 +7,7 @@ knows (``validate_domain``) and writes ``run_steps``: the stage order, top to bo
 from __future__ import annotations
 
 import hashlib
+import re
 from abc import ABC, abstractmethod
 import logging
 import os
@@ -22,8 +23,10 @@ from unirl_ray.config.recipe import RecipeError, flatten, instantiate, to_yaml, 
 from unirl_ray.runtime.cluster import RayConfig, check_cluster_fits, ensure_ray
 from unirl_ray.runtime.train_group import TrainGroup, WorkerGroupRestarted
 from unirl_ray.tracking import MLflowTracker, TrackingConfig
+from unirl_ray.tracking.mlflow_tracker import check_tracking_store
 
 log = logging.getLogger(__name__)
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # never "." or "..": one safe path component
 
 
 @dataclass(kw_only=True)
@@ -48,8 +51,11 @@ class RunConfig:
     """Also log the export to the MLflow run and register it as a new version of this registered model."""
 
     def __post_init__(self) -> None:
-        if not self.run_name or any(c in self.run_name for c in "/\\ "):
-            raise ValueError(f"trainer.run_name must be a non-empty name without '/' or spaces, got {self.run_name!r}")
+        if not isinstance(self.run_name, str) or not _RUN_NAME.fullmatch(self.run_name):
+            raise ValueError(
+                f"trainer.run_name must be one folder name: letters, digits, '.', '_' or '-', starting with a letter or "
+                f"digit, at most 128 characters (it names the run's folder, Serve apps and MLflow run), got {self.run_name!r}"
+            )
         if self.num_steps < 1:
             raise ValueError(f"trainer.num_steps must be >= 1, got {self.num_steps}")
         if self.checkpoint_every < 1:
@@ -115,8 +121,13 @@ class BaseTrainer(ABC):
         self.run_cfg: RunConfig = self._build("trainer")
         self.ray_cfg: RayConfig = self._build("ray")
         self.tracking_cfg: TrackingConfig = self._build("tracking")
+        try:
+            check_tracking_store(self.tracking_cfg, self.run_cfg.storage_path)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
         self.tracker = MLflowTracker(self.tracking_cfg)
         self.group: TrainGroup | None = None
+        self._run_lock: Any = None
         self.validate_domain()
 
     def optional_sections(self) -> set[str]:
@@ -164,6 +175,9 @@ class BaseTrainer(ABC):
         print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
         log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
         check_cluster_fits(self.ray_cfg, self.extra_resources())
+        from unirl_ray.runtime import run_lock
+
+        self._run_lock = run_lock.acquire(self.run_cfg.run_name)  # one live job per run name (its apps, store, folder)
         self.start_services()
         # the MLflow store opens (a new one migrates its schema) while the workers start; the run itself
         # is opened after they announce, because a resumed run's id comes from their checkpoint
@@ -406,6 +420,10 @@ class BaseTrainer(ABC):
                 f"  open it with: {self.tracker.ui_command}",
                 flush=True,
             )
+        from unirl_ray.runtime import run_lock
+
+        run_lock.release(self._run_lock)
+        self._run_lock = None
         if errors:
             raise errors[0]
 

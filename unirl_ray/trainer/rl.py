@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -84,6 +85,10 @@ class RLTrainer(BaseTrainer):
         self.prompt_log: list[tuple[int, list[str]]] = []  # (step, prompts) trained in this process
         self.data = self._build("data")
         self.reward_cfg = self._build("reward")
+        try:
+            self.reward_cfg.check_learnable()
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
         self.algorithm = self._build("algorithm")  # driver copy: advantages only (no pipeline)
         self.group_size = int(getattr(self.algorithm, "group_size", 1))
         stack = self._build("stack")
@@ -281,6 +286,7 @@ class RLTrainer(BaseTrainer):
 
     def learn(self, step: int, samples: list[Sample], metrics: dict[str, Any], t_step: float) -> dict[str, Any]:
         """advantages -> train -> weight sync -> timings, sample logging and evaluation."""
+        self._check_rewards_usable(step, samples)
         metrics |= self.algorithm.compute_advantages(samples)
 
         t0 = time.perf_counter()
@@ -297,6 +303,18 @@ class RLTrainer(BaseTrainer):
         if self.eval_source is not None and (step % self.run_cfg.eval_every == 0 or step == self.run_cfg.num_steps):
             metrics |= self.evaluate(step)
         return metrics
+
+    def _check_rewards_usable(self, step: int, samples: list[Sample]) -> None:
+        """Stop a run whose rewards have all been invalid for ``ALL_INVALID_STEPS`` steps in a row
+        (sources that fail or time out under ``on_error: skip``): it would train on nothing."""
+        usable = any(s.reward is not None and math.isfinite(s.reward) for s in samples)
+        self._all_invalid_steps = 0 if usable else getattr(self, "_all_invalid_steps", 0) + 1
+        if self._all_invalid_steps >= ALL_INVALID_STEPS:
+            raise RuntimeError(
+                f"steps {step - self._all_invalid_steps + 1}..{step}: every sample's reward was invalid (None or not "
+                "finite), so nothing was learned: the reward sources fail or time out (see the warnings above and "
+                "reward/invalid_frac, reward/<name>/* in MLflow). Fix the reward fn, or raise reward.timeout_s"
+            )
 
     def publish_weights(self) -> dict[str, float]:
         """Push the trained weights to every engine replica and verify them (the barrier); returns metrics."""
@@ -409,6 +427,8 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
 
 REWARD_DEPLOY_TIMEOUT_S = 900.0
 """Backstop on waiting for the reward apps' deploy (each app has its own 120 s readiness timeout)."""
+ALL_INVALID_STEPS = 3
+"""Consecutive steps in which every sample's reward is invalid after which the run stops."""
 
 
 def _in_background(what: str, fn: Any, *args: Any, **kwargs: Any) -> Future:

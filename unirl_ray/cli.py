@@ -15,8 +15,8 @@ def run_trainer(trainer_cls: type, argv: Sequence[str], default_recipe: str | No
     logging.basicConfig(level=os.environ.get("UNIRL_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     args = list(argv)
-    if default_recipe and (not args or "=" in args[0]):
-        args.insert(0, default_recipe)
+    if default_recipe and (not args or not (args[0].endswith((".yaml", ".yml")) or os.path.isfile(args[0]))):
+        args.insert(0, default_recipe)  # only overrides given (a bad one is named as such by parse_cli)
     try:
         path, overrides = parse_cli(args)
         recipe = load_recipe(path, overrides)

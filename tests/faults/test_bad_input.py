@@ -73,6 +73,27 @@ def test_bad_recipe_values_fail_on_the_driver(override, message):
     assert not ray.is_initialized()
 
 
+def test_an_override_without_equals_is_named_as_such(capsys):
+    from unirl_ray.cli import run_trainer
+    from unirl_ray.config.recipe import parse_cli
+
+    assert run_trainer(DiffusionTrainer, ["trainer.num_steps"], default_recipe=TINY) == 2
+    assert "bad override 'trainer.num_steps': overrides are key=value" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match=r"'trainer.num_steps' is neither a recipe file nor an override: overrides "
+                                          r"look like key=value"):
+        parse_cli(["trainer.num_steps"])
+    with pytest.raises(RecipeError, match=r"recipe file 'nope.yaml' not found"):
+        parse_cli(["nope.yaml"])
+
+
+def test_every_shipped_recipe_takes_tracking_uri_without_a_plus():
+    # the README says `tracking.tracking_uri=...`; recipes without the key needed `+tracking.tracking_uri`
+    from pathlib import Path
+
+    for recipe in sorted(Path(ROOT, "recipes").rglob("*.yaml")):
+        assert "tracking_uri:" in recipe.read_text(), recipe
+
+
 def test_remote_storage_needs_a_tracking_store_and_creates_no_local_uri_folders(tmp_path, monkeypatch):
     # trainer.storage_path=s3://... put the default SQLite store in a local folder named "s3:"
     from unirl_ray.tracking import MLflowTracker, TrackingConfig

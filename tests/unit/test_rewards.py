@@ -127,6 +127,12 @@ def test_exception_and_non_numeric_name_the_reward():
     with pytest.raises(RewardError, match=r"'words'.*non-numeric"):
         score_batch({"words": words}, [None], ["a"], {})
 
+    def numeric_strings(*, images, prompts, **columns):  # float("0.75") accepted these before
+        return ["0.75"] * len(prompts)
+
+    with pytest.raises(RewardError, match=r"'parsed'.*non-numeric score \(got the string '0.75'\)"):
+        score_batch({"parsed": numeric_strings}, [None], ["a"], {})
+
 
 def test_config_bad_import_path_suggests_close_match():
     with pytest.raises(ValueError, match=r"'bright'.*did you mean 'unirl_ray.rewards.image.brightness'"):

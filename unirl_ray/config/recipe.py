@@ -262,6 +262,9 @@ def parse_cli(argv: Sequence[str]) -> tuple[str, list[str]]:
         raise RecipeError(f"the first argument must be the recipe YAML file. {_USAGE}")
     recipe = args[0]
     if not Path(recipe).is_file():
+        if not recipe.endswith((".yaml", ".yml")):
+            raise RecipeError(f"{recipe!r} is neither a recipe file nor an override: overrides look like key=value "
+                              f"(e.g. trainer.num_steps=5). {_USAGE}")
         raise RecipeError(f"recipe file {recipe!r} not found (cwd: {Path.cwd()}). {_USAGE}")
     for arg in args[1:]:
         split_override(arg)

@@ -315,6 +315,8 @@ def _plain(value: Any) -> Any:
 def _to_score(value: Any) -> float | None:
     if value is None:
         return None
+    if isinstance(value, (str, bytes)):  # float("0.75") would pass a parsing bug off as a score
+        raise TypeError(f"got the string {value!r}")
     score = float(value)  # raises TypeError/ValueError for non-numbers
     return score if math.isfinite(score) else None
 

@@ -57,6 +57,11 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
         ("stack.max_grad_norm=0", r"`stack.max_grad_norm` must be > 0 .*got 0"),
         ("stack.micro_batch_size=0", r"`stack.micro_batch_size` must be >= 1, got 0"),
         ("stack.num_updates_per_batch=0", r"`stack.num_updates_per_batch` must be >= 1, got 0"),
+        # values only the workers checked before: now on the driver, naming the recipe key
+        ("pipeline.num_inference_steps=0", r"`pipeline.num_inference_steps` must be >= 1, got 0"),
+        ("pipeline.guidance_scale=0.5", r"`pipeline.guidance_scale` must be >= 1 \(1 disables CFG\), got 0.5"),
+        ("pipeline.noise_level=0", r"`pipeline.noise_level` must be > 0 \(SDE sampling needs noise\)"),
+        ("rollout.micro_batch_size=0", r"`rollout.micro_batch_size` must be >= 1, got 0"),
         # run names are one folder name: ".." wrote checkpoints outside the storage path
         ("trainer.run_name=..", r"trainer.run_name must be one folder name.*got '\.\.'"),
         ("trainer.run_name=.", r"trainer.run_name must be one folder name.*got '\.'"),
@@ -71,6 +76,18 @@ def test_bad_recipe_values_fail_on_the_driver(override, message):
     with pytest.raises(RecipeError, match=message):
         build(override)
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("pipeline.temperature=0", r"`pipeline.temperature` must be > 0 \(log-probs are those of softmax"),
+    ("+pipeline.top_p=1.5", r"`pipeline.top_p` must be > 0 and <= 1 \(1 disables nucleus sampling\), got 1.5"),
+    ("pipeline.max_new_tokens=0", r"`pipeline.max_new_tokens` must be >= 1, got 0"),
+])
+def test_bad_text_sampling_values_fail_on_the_driver(override, message):
+    from unirl_ray.trainer.ar import ARTrainer
+
+    with pytest.raises(RecipeError, match=message):
+        ARTrainer(load_recipe(os.path.join(ROOT, "recipes", "ar", "tiny", "char_grpo_direct.yaml"), [override]))
 
 
 def test_an_override_without_equals_is_named_as_such(capsys):

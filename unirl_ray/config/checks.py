@@ -54,6 +54,12 @@ class Bound:
         return f"{text} ({self.why})" if self.why else text
 
 
+PositiveInt = typing.Annotated[int, Bound(ge=1)]
+"""An int >= 1 (counts, sizes, steps)."""
+NonNegativeInt = typing.Annotated[int, Bound(ge=0)]
+PositiveFloat = typing.Annotated[float, Bound(gt=0)]
+
+
 def bounds_of(annotation: Any) -> list[Bound]:
     """The ``Bound`` markers of an annotation (in ``Annotated[...]``, also inside a union)."""
     origin = typing.get_origin(annotation)

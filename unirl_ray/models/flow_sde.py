@@ -38,12 +38,16 @@ from __future__ import annotations
 import abc
 import math
 import zlib
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 
+from unirl_ray.config.checks import Bound, PositiveInt, check_choice
 from unirl_ray.core.sample import DiffusionPart
+
+NoiseLevel = Annotated[float, Bound(gt=0, why="SDE sampling needs noise")]
+GuidanceScale = Annotated[float, Bound(ge=1, why="1 disables CFG")]
 
 MIN_STD = 1e-6
 """Lower clamp of the transition std (keeps log-probs finite on degenerate schedules)."""
@@ -108,10 +112,10 @@ class FlowSDEPipeline(abc.ABC):
         self,
         bundle: Any,
         *,
-        num_inference_steps: int,
-        guidance_scale: float,
-        noise_level: float,
-        max_sequence_length: int,
+        num_inference_steps: PositiveInt,
+        guidance_scale: GuidanceScale,
+        noise_level: NoiseLevel,
+        max_sequence_length: PositiveInt,
         sde_window_size: int | None,
         sde_window_range: list[int] | tuple[int, int] | None,
         share_initial_noise: bool,
@@ -186,14 +190,9 @@ class FlowSDEPipeline(abc.ABC):
     def validate(self) -> None:
         """Raise ``ValueError`` with a fix for bad shape / steps / noise / guidance settings."""
         self.validate_shape()
-        if self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
-        if not self.noise_level > 0:
-            raise ValueError(f"noise_level must be > 0 (SDE sampling needs noise), got {self.noise_level}")
-        if self.guidance_scale < 1:
-            raise ValueError(f"guidance_scale must be >= 1 (1 disables CFG), got {self.guidance_scale}")
-        if self.max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
+        for name, annotation in (("num_inference_steps", PositiveInt), ("noise_level", NoiseLevel),
+                                 ("guidance_scale", GuidanceScale), ("max_sequence_length", PositiveInt)):
+            check_choice(f"pipeline.{name}", getattr(self, name), annotation)  # recipes: checked on the driver
         self._validate_sde_window()
 
     def _validate_sde_window(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Literal
 import numpy as np
 import torch
 
-from unirl_ray.config.checks import check_literal_args
+from unirl_ray.config.checks import PositiveInt, check_literal_args
 from unirl_ray.core.sample import Sample
 
 
@@ -26,7 +26,7 @@ class TrainsideRollout:
     def __init__(
         self,
         *,
-        micro_batch_size: int = 8,
+        micro_batch_size: PositiveInt = 8,
         sampling_policy: Literal["auto", "trainable", "shadow"] = "auto",
         pipeline: Any = None,
         backend: Any = None,
@@ -38,8 +38,6 @@ class TrainsideRollout:
                 (the EMA shadow adapter of ``backend.ema_lora_cfg``, DiffusionNFT's old policy) or
                 ``auto`` (``shadow`` when the backend has ``ema_lora_cfg``, else ``trainable``).
         """
-        if micro_batch_size < 1:
-            raise ValueError(f"rollout.micro_batch_size must be >= 1, got {micro_batch_size}")
         check_literal_args(TrainsideRollout.__init__, "rollout", locals())
         has_shadow = getattr(backend, "ema_lora_cfg", None) is not None
         if sampling_policy == "shadow" and not has_shadow:

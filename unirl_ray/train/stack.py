@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
-from unirl_ray.config.checks import Bound, check_literal_args
+from unirl_ray.config.checks import Bound, PositiveInt, check_literal_args
 from unirl_ray.core.sample import Sample, TrainStepResult
 from unirl_ray.train.backend.fsdp import FSDPBackend
 
 
-AtLeastOne = Annotated[int, Bound(ge=1)]
 GradNorm = Annotated[float, Bound(gt=0, why="null: no clipping; a negative norm would flip every gradient")]
 
 
@@ -33,13 +32,13 @@ GradNorm = Annotated[float, Bound(gt=0, why="null: no clipping; a negative norm 
 class TrainStackConfig:
     """Mini-batching of one train step."""
 
-    micro_batch_size: AtLeastOne = 1
+    micro_batch_size: PositiveInt = 1
     """Samples per forward/backward on one rank (a memory knob: it does not change the math)."""
-    mini_batch_size: AtLeastOne | None = None
+    mini_batch_size: PositiveInt | None = None
     """Samples per optimizer step over ALL ranks (each rank takes ``mini_batch_size / world_size``);
     None: the whole step's batch, one optimizer step per epoch. Global, so the same recipe does the
     same math on any number of workers."""
-    num_updates_per_batch: AtLeastOne = 1
+    num_updates_per_batch: PositiveInt = 1
     """Epochs over the shard (PPO); > 1 needs ``StageAlgorithm.supports_multi_update``."""
     max_grad_norm: GradNorm | None = 1.0
     """Gradient clipping threshold, > 0 (None: no clipping)."""
@@ -51,9 +50,9 @@ class TrainStack:
     def __init__(
         self,
         *,
-        micro_batch_size: AtLeastOne = 1,
-        mini_batch_size: AtLeastOne | None = None,
-        num_updates_per_batch: AtLeastOne = 1,
+        micro_batch_size: PositiveInt = 1,
+        mini_batch_size: PositiveInt | None = None,
+        num_updates_per_batch: PositiveInt = 1,
         max_grad_norm: GradNorm | None = 1.0,
         fsdp_backend: FSDPBackend | None = None,
         algorithm: StageAlgorithm | None = None,

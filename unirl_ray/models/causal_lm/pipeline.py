@@ -24,12 +24,17 @@ Shapes: ``B`` batch, ``P`` longest prompt, ``N = max_new_tokens``, ``L`` longest
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from unirl_ray.config.checks import Bound, PositiveInt, check_choice
 from unirl_ray.core.sample import TextPart
 from unirl_ray.models.causal_lm.bundle import CausalLMBundle
+
+Temperature = Annotated[float, Bound(gt=0, why="log-probs are those of softmax(logits / T)")]
+TopP = Annotated[float, Bound(gt=0, le=1, why="1 disables nucleus sampling")]
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +78,10 @@ class CausalLMPipeline:
         self,
         bundle: CausalLMBundle,
         *,
-        max_prompt_tokens: int = 64,
-        max_new_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        max_prompt_tokens: PositiveInt = 64,
+        max_new_tokens: PositiveInt = 32,
+        temperature: Temperature = 1.0,
+        top_p: TopP = 1.0,
         use_chat_template: bool = True,
         system_prompt: str | None = None,
     ) -> None:
@@ -95,15 +100,11 @@ class CausalLMPipeline:
 
     # ------------------------------------------------------------------ setup
     def validate(self) -> None:
-        """Raise ``ValueError`` with a fix for bad lengths / temperature / top_p / template settings."""
-        if self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (log-probs are those of softmax(logits / T)), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 disables nucleus sampling), got {self.top_p}")
+        """Raise ``ValueError`` with a fix for bad lengths / temperature / top_p / template settings
+        (the ranges are in the annotations: a recipe's values are checked on the driver)."""
+        for name, annotation in (("max_prompt_tokens", PositiveInt), ("max_new_tokens", PositiveInt),
+                                 ("temperature", Temperature), ("top_p", TopP)):
+            check_choice(f"pipeline.{name}", getattr(self, name), annotation)
         if self.use_chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("use_chat_template=True but the tokenizer has no chat_template; set use_chat_template=False")
         if self.tokenizer.pad_token_id is None or self.tokenizer.eos_token_id is None:

@@ -14,9 +14,12 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from unirl_ray.config.checks import PositiveInt
 from unirl_ray.models.flow_sde import (  # noqa: F401  (re-exported: the SDE math's historical home)
     MIN_STD,
     FlowSDEPipeline,
+    GuidanceScale,
+    NoiseLevel,
     gaussian_log_prob,
     sde_step_stats,
     to_uint8,
@@ -31,12 +34,12 @@ class SD3Pipeline(FlowSDEPipeline):
         self,
         bundle: SD3Bundle,
         *,
-        num_inference_steps: int = 10,
+        num_inference_steps: PositiveInt = 10,
         height: int = 512,
         width: int = 512,
-        guidance_scale: float = 1.0,
-        noise_level: float = 0.7,
-        max_sequence_length: int = 77,
+        guidance_scale: GuidanceScale = 1.0,
+        noise_level: NoiseLevel = 0.7,
+        max_sequence_length: PositiveInt = 77,
         sde_window_size: int | None = None,
         sde_window_range: list[int] | tuple[int, int] | None = None,
         share_initial_noise: bool = False,

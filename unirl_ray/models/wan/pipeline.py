@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from unirl_ray.models.flow_sde import FlowSDEPipeline, to_uint8
+from unirl_ray.config.checks import PositiveInt
+from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, to_uint8
 from unirl_ray.models.wan.bundle import WanBundle
 
 
@@ -28,14 +29,14 @@ class WanPipeline(FlowSDEPipeline):
         self,
         bundle: WanBundle,
         *,
-        num_inference_steps: int = 10,
+        num_inference_steps: PositiveInt = 10,
         num_frames: int = 33,
         height: int = 480,
         width: int = 832,
         fps: int = 16,
-        guidance_scale: float = 1.0,
-        noise_level: float = 0.7,
-        max_sequence_length: int = 512,
+        guidance_scale: GuidanceScale = 1.0,
+        noise_level: NoiseLevel = 0.7,
+        max_sequence_length: PositiveInt = 512,
         sde_window_size: int | None = None,
         sde_window_range: list[int] | tuple[int, int] | None = None,
         share_initial_noise: bool = False,

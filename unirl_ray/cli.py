@@ -24,5 +24,9 @@ def run_trainer(trainer_cls: type, argv: Sequence[str], default_recipe: str | No
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
-    trainer.fit()
+    try:
+        trainer.fit()
+    except RecipeError as exc:  # found when the run starts (e.g. resuming with a changed recipe)
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -111,6 +111,33 @@ def test_every_shipped_recipe_takes_tracking_uri_without_a_plus():
         assert "tracking_uri:" in recipe.read_text(), recipe
 
 
+def test_rerunning_with_a_changed_recipe_is_refused_and_a_finished_run_does_nothing(tmp_path, capsys):
+    # `python recipes/ar.py algorithm._target_=...DAPO` after a finished GRPO run printed "resuming" and
+    # exited 0 having trained nothing, while MLflow still said GRPO
+    import ray
+
+    from unirl_ray.cli import run_trainer
+    from unirl_ray.trainer.base import FINISHED_FILE, RECIPE_FILE
+    from unirl_ray.trainer.diffusion import DiffusionTrainer
+
+    where = (f"trainer.storage_path={tmp_path}", "trainer.run_name=r")
+    build(*where).check_resumed_recipe()  # the first start records the recipe in the run folder
+    assert (tmp_path / "r" / RECIPE_FILE).is_file()
+    build(*where, "trainer.num_steps=50", "ray.scaling.num_workers=1", "tracking.log_samples_every=0",
+          "stack.micro_batch_size=2").check_resumed_recipe()  # budget, resources, logging, memory knobs: fine
+    changed = (*where, "algorithm._target_=unirl_ray.algorithms.FlowGRPO", "algorithm.clip_range=0.3", "pipeline.height=64")
+    with pytest.raises(RecipeError, match=r"run 'r' .* was written with another recipe.*algorithm.clip_range: .* -> 0.3"
+                                          r".*pipeline.height: 32 -> 64.*trainer.run_name=<new name>"):
+        build(*changed).check_resumed_recipe()
+    assert run_trainer(DiffusionTrainer, list(changed), default_recipe=TINY) == 2  # one line, exit 2, nothing started
+    assert "was written with another recipe" in capsys.readouterr().err and not ray.is_initialized()
+    build(*changed, "+trainer.resume_changed_recipe=true").check_resumed_recipe()  # the explicit opt-in
+
+    (tmp_path / "r" / FINISHED_FILE).write_text('{"num_steps": 24}')
+    assert build(*where).fit() == {}  # already finished 24/24: nothing starts
+    assert "already finished 24/24 steps" in capsys.readouterr().out and not ray.is_initialized()
+
+
 def test_remote_storage_needs_a_tracking_store_and_creates_no_local_uri_folders(tmp_path, monkeypatch):
     # trainer.storage_path=s3://... put the default SQLite store in a local folder named "s3:"
     from unirl_ray.tracking import MLflowTracker, TrackingConfig

@@ -7,16 +7,18 @@ knows (``validate_domain``) and writes ``run_steps``: the stage order, top to bo
 from __future__ import annotations
 
 import hashlib
-import re
-from abc import ABC, abstractmethod
+import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from unirl_ray.config.recipe import RecipeError, flatten, instantiate, to_yaml, validate_targets
@@ -26,6 +28,15 @@ from unirl_ray.tracking import MLflowTracker, TrackingConfig
 from unirl_ray.tracking.mlflow_tracker import check_tracking_store
 
 log = logging.getLogger(__name__)
+RECIPE_FILE = "unirl_recipe.yaml"  # in the run folder: the recipe the run was first written with
+FINISHED_FILE = "unirl_finished.json"  # in the run folder: the step budget of the last finished fit
+RESUME_SAFE_PREFIXES = (  # recipe keys a resumed run may change: they do not change what is trained
+    "trainer.num_steps", "trainer.checkpoint_every", "trainer.export_", "trainer.resume_changed_recipe",
+    "trainer.storage_path", "tracking.", "ray.", "stack.micro_batch_size",
+    "reward.timeout_s", "reward.max_retries", "reward.num_replicas", "reward.ray_actor_options",
+    "reward.max_ongoing_requests", "rollout.num_replicas", "rollout.ray_actor_options", "rollout.timeout_s",
+    "rollout.max_retries",
+)
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # never "." or "..": one safe path component
 
 
@@ -49,6 +60,10 @@ class RunConfig:
     """With LoRA: merge the adapters into the exported weights; false writes base weights + a PEFT adapter."""
     export_register_as: str | None = None
     """Also log the export to the MLflow run and register it as a new version of this registered model."""
+    resume_changed_recipe: bool = False
+    """Resume a run even though its recipe differs from the one it was written with in keys that change
+    what is trained (they are listed at start). Without it such a resume is refused; the step budget,
+    checkpointing, export, tracking, Ray resources and replica counts may always change."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_name, str) or not _RUN_NAME.fullmatch(self.run_name):
@@ -158,11 +173,18 @@ class BaseTrainer(ABC):
         return self._fit()
 
     def _fit(self) -> dict[str, Any]:
+        done = self._finished_steps()
+        if done is not None and done >= self.run_cfg.num_steps:
+            console(f"{self.run_cfg.run_name} already finished {done}/{self.run_cfg.num_steps} steps under "
+                    f"{self.run_cfg.storage_path}: nothing to do (raise trainer.num_steps to train on, or choose "
+                    "another trainer.run_name for a new run)")
+            return {}
         status = "FAILED"
         try:
             last = self.run_steps(self.setup())
             self.export_at_end()
             status = "FINISHED"
+            self._mark_finished()
             return last
         except KeyboardInterrupt:
             status = "KILLED"
@@ -170,9 +192,62 @@ class BaseTrainer(ABC):
         finally:
             self.teardown(status)
 
+    # ------------------------------------------------------- the run folder
+    def _local_run_dir(self) -> str | None:
+        """The run's folder when the storage is local (run files are not read from remote storage)."""
+        cfg = self.run_cfg
+        return None if "://" in cfg.storage_path else os.path.join(cfg.storage_path, cfg.run_name)
+
+    def _finished_steps(self) -> int | None:
+        run_dir = self._local_run_dir()
+        try:
+            with open(os.path.join(run_dir, FINISHED_FILE)) as f:
+                return int(json.load(f)["num_steps"])
+        except (TypeError, OSError, ValueError, KeyError):
+            return None
+
+    def _mark_finished(self) -> None:
+        run_dir = self._local_run_dir()
+        if run_dir is not None and os.path.isdir(run_dir):
+            with open(os.path.join(run_dir, FINISHED_FILE), "w") as f:
+                json.dump({"num_steps": self.run_cfg.num_steps}, f)
+
+    def check_resumed_recipe(self) -> None:
+        """A run folder keeps the recipe it was first written with (``unirl_recipe.yaml``). Starting the
+        run again with a recipe that differs in what is trained is refused (a new ``trainer.run_name``
+        is what the user meant, or ``trainer.resume_changed_recipe=true``); the first start records it."""
+        run_dir = self._local_run_dir()
+        if run_dir is None:
+            return
+        path = os.path.join(run_dir, RECIPE_FILE)
+        if not os.path.isfile(path):
+            os.makedirs(run_dir, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(to_yaml(self.recipe))
+            return
+        with open(path) as f:
+            written = flatten(yaml.safe_load(f) or {})
+        now = flatten(self.recipe)
+        changed = [k for k in sorted(set(written) | set(now))
+                   if written.get(k) != now.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
+        if not changed:
+            return
+        shown = "; ".join(f"{k}: {written.get(k, '(absent)')} -> {now.get(k, '(absent)')}" for k in changed[:8])
+        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        if self.run_cfg.resume_changed_recipe:
+            log.warning("resuming %s with a changed recipe (trainer.resume_changed_recipe=true): %s%s",
+                        self.run_cfg.run_name, shown, more)
+            return
+        raise RecipeError(
+            f"run {self.run_cfg.run_name!r} under {self.run_cfg.storage_path} was written with another recipe, and "
+            f"resuming it would train something else: {shown}{more}. For a new run set trainer.run_name=<new name>; "
+            f"to resume anyway, +trainer.resume_changed_recipe=true (the recipe it started with: {path})"
+        )
+
     def setup(self) -> int:
         """Join Ray, deploy services, start the workers, open tracking; returns the last done step."""
         print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
+        self.check_resumed_recipe()  # before Ray: a changed recipe never starts anything
         log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
         check_cluster_fits(self.ray_cfg, self.extra_resources())
         from unirl_ray.runtime import run_lock

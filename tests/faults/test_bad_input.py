@@ -188,6 +188,11 @@ def test_a_run_whose_rewards_are_all_invalid_stops_instead_of_training_on_nothin
         ("blank.jsonl", "\n  \n", r"blank\.jsonl is empty"),
         ("empty.txt", "", r"empty\.txt is empty"),
         ("blank.txt", "\n \n\t\n", r"blank\.txt is empty"),
+        # the prompt column must hold text; .json arrays are checked like .jsonl lines
+        ("num.jsonl", '{"prompt": "a cat"}\n{"prompt": 3}\n', r"num\.jsonl, line 2: 'prompt' is a int \('3'\), not a string"),
+        ("arr.json", '[{"prompt": "a cat"}, {"promt": "a dog"}]', r"arr\.json, item 1 has no 'prompt' key.*did you mean 'promt'"),
+        ("arrnum.json", '[{"prompt": ["a", "b"]}]', r"arrnum\.json, item 0: 'prompt' is a list"),
+        ("badarr.json", '[{"prompt": "a cat"},\n oops]', r"badarr\.json, line 2 is not valid JSON"),
     ],
 )
 def test_bad_prompt_files_fail_on_the_driver(tmp_path, name, text, message):
@@ -195,6 +200,19 @@ def test_bad_prompt_files_fail_on_the_driver(tmp_path, name, text, message):
     path.write_text(text)
     with pytest.raises(RecipeError, match=message):
         build(f"data.path={path}")
+
+
+def test_undecodable_bytes_name_the_line_and_a_long_first_line_is_valid(tmp_path):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("a cat\n".encode() + "a café\n".encode("latin-1"))
+    with pytest.raises(RecipeError, match=r"latin\.txt, line 2 is not UTF-8 text .*save the file as UTF-8"):
+        build(f"data.path={latin}")
+    long = tmp_path / "long.jsonl"  # a first line longer than any peek buffer is still one valid object
+    long.write_text(json.dumps({"prompt": "a cat " * 20000}) + "\n" + json.dumps({"prompt": "a dog"}) + "\n")
+    build(f"data.path={long}")
+    array = tmp_path / "ok.json"
+    array.write_text(json.dumps([{"prompt": "a cat", "seed": 1}, {"prompt": "a dog", "seed": 2}]))
+    build(f"data.path={array}")
 
 
 def test_bad_line_in_a_later_file_of_a_directory_is_found(tmp_path):

@@ -53,42 +53,77 @@ def _did_you_mean(name: str, options: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _lines(path: str):
+    """``(line number, text)`` of a UTF-8 file; a byte sequence that is not UTF-8 names its line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}, line {number} is not UTF-8 text ({exc.reason} at byte {exc.start} of the "
+                                 "line); save the file as UTF-8") from None
+
+
 def check_text_file(path: str) -> None:
-    """A .txt prompt file must hold at least one non-blank line; ValueError naming the file otherwise."""
-    with open(path, encoding="utf-8") as f:
-        if any(line.strip() for line in f):
-            return
+    """A .txt prompt file must be UTF-8 and hold at least one non-blank line; ValueError naming the file
+    (and the line) otherwise."""
+    if sum(bool(line.strip()) for _, line in _lines(path)):  # every line decoded, not only the first
+        return
     raise ValueError(f"prompt file {path} is empty (no non-blank lines); write one prompt per line "
                      "or point data.path at another file")
 
 
+def _check_row(row: Any, where: str, prompt_column: str) -> None:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object like "
+                         f"{{{prompt_column!r}: ...}}: fix or delete that line")
+    if prompt_column not in row:
+        raise ValueError(f"{where} has no {prompt_column!r} key (keys: {sorted(row)}){_did_you_mean(prompt_column, list(row))}; "
+                         "add the prompt to that line, delete it, or set data.prompt_column")
+    value = row[prompt_column]
+    if value is not None and not isinstance(value, str):  # null / "" are skipped with a warning
+        raise ValueError(f"{where}: {prompt_column!r} is a {type(value).__name__} ({str(value)[:40]!r}), not a string; "
+                         "prompts are text: quote it, or set data.prompt_column to the column holding the text")
+
+
 def check_jsonl_file(path: str, prompt_column: str) -> int:
-    """Every non-blank line of a .jsonl file must be a JSON object holding ``prompt_column``.
+    """Every non-blank line of a .jsonl file must be a JSON object holding ``prompt_column`` (a string).
 
     Returns the number of rows. The first bad line raises ValueError naming the file, the line
     number and what to fix (Ray Data would otherwise fail later, inside a read task, without them).
     """
     rows = 0
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where} is not valid JSON ({exc.msg}): {line.strip()[:80]!r}; each line of a "
-                                 ".jsonl prompt file must be one JSON object: fix or delete that line") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object like "
-                                 f"{{{prompt_column!r}: ...}}: fix or delete that line")
-            if prompt_column not in row:
-                raise ValueError(f"{where} has no {prompt_column!r} key (keys: {sorted(row)}){_did_you_mean(prompt_column, list(row))}; "
-                                 "add the prompt to that line, delete it, or set data.prompt_column")
-            rows += 1
+    for number, line in _lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON ({exc.msg}): {line.strip()[:80]!r}; each line of a "
+                             ".jsonl prompt file must be one JSON object: fix or delete that line") from None
+        _check_row(row, where, prompt_column)
+        rows += 1
     if not rows:
         raise ValueError(f"prompt file {path} is empty (no JSON lines); add prompts or point data.path at another file")
     return rows
+
+
+def check_json_file(path: str, prompt_column: str) -> int:
+    """A .json prompt file: a JSON array of objects (checked item by item), or JSON lines (as .jsonl)."""
+    text = "".join(line for _, line in _lines(path))
+    if not text.lstrip().startswith("["):
+        return check_jsonl_file(path, prompt_column)
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}, line {exc.lineno} is not valid JSON ({exc.msg}); a .json prompt file is one "
+                         "array of objects, or one object per line") from None
+    for index, row in enumerate(items):
+        _check_row(row, f"{path}, item {index}", prompt_column)
+    if not items:
+        raise ValueError(f"prompt file {path} is an empty array; add prompts or point data.path at another file")
+    return len(items)
 
 
 @dataclass(kw_only=True)
@@ -150,9 +185,10 @@ class PromptSource:
             for path in self._files:
                 check_text_file(path)
             return
-        if self._kind == "jsonl":
+        if self._kind in ("jsonl", "json"):
+            check = check_jsonl_file if self._kind == "jsonl" else check_json_file
             for path in self._files:
-                check_jsonl_file(path, self.prompt_column)
+                check(path, self.prompt_column)
         available = self._peek_columns(self._files[0])
         if available is None:
             return
@@ -167,15 +203,14 @@ class PromptSource:
             import pyarrow.parquet as pq
 
             return list(pq.read_schema(path).names)
-        with open(path, encoding="utf-8") as f:
-            head = f.read(1 << 16).lstrip()
-        if not head:
+        first_line = next((line for _, line in _lines(path) if line.strip()), "")  # whole, however long
+        if not first_line:
             raise ValueError(f"prompt file {path} is empty; add prompts or point data.path at another file")
-        if head.startswith("["):
-            return None  # a JSON array: checked after reading
-        line = head.splitlines()[0]
+        if first_line.lstrip().startswith("["):
+            items = json.loads("".join(line for _, line in _lines(path)))  # checked by check_json_file
+            return list(items[0]) if items and isinstance(items[0], dict) else None
         try:
-            first = json.loads(line)
+            first = json.loads(first_line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"first line of {path} is not a JSON object ({exc}); use one object per line") from None
         if not isinstance(first, dict):

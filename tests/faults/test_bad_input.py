@@ -138,6 +138,21 @@ def test_rerunning_with_a_changed_recipe_is_refused_and_a_finished_run_does_noth
     assert "already finished 24/24 steps" in capsys.readouterr().out and not ray.is_initialized()
 
 
+def test_an_export_dir_that_would_fail_after_training_is_refused_before(tmp_path):
+    import ray
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    where = (f"trainer.storage_path={tmp_path}", "trainer.run_name=r")
+    with pytest.raises(RecipeError, match=r"trainer.export_dir: export directory .*taken' exists and is not empty.*"
+                                          r"Set trainer.export_dir to an empty or new folder"):
+        build(*where, f"+trainer.export_dir={taken}").setup()
+    with pytest.raises(RecipeError, match=r"trainer.export_dir=.*/r/model is inside the run folder"):
+        build(*where, f"+trainer.export_dir={tmp_path / 'r' / 'model'}").setup()
+    assert not ray.is_initialized()  # refused before Ray, not after the training
+
+
 def test_remote_storage_needs_a_tracking_store_and_creates_no_local_uri_folders(tmp_path, monkeypatch):
     # trainer.storage_path=s3://... put the default SQLite store in a local folder named "s3:"
     from unirl_ray.tracking import MLflowTracker, TrackingConfig

@@ -89,7 +89,16 @@ class RunConfig:
                 log.warning("trainer.export_merge_lora=false is ignored: trainer.export_dir is not set")
             return
         # an earlier export of this folder (a finished run started again) is replaced; anything else is refused
-        self.export_dir = check_export_dir(self.export_dir, overwrite=is_previous_export(self.export_dir))
+        try:
+            self.export_dir = check_export_dir(self.export_dir, overwrite=is_previous_export(self.export_dir))
+        except ValueError as exc:
+            raise ValueError(f"trainer.export_dir: {str(exc).split('; pass overwrite')[0]}. Set trainer.export_dir to an "
+                             "empty or new folder (an earlier export of this project there is replaced)") from None
+        if "://" not in self.storage_path:
+            run_dir = os.path.join(self.storage_path, self.run_name)
+            if os.path.commonpath([self.export_dir, run_dir]) == run_dir:
+                raise ValueError(f"trainer.export_dir={self.export_dir} is inside the run folder {run_dir}, which Ray "
+                                 "Train manages (checkpoints rotate there); set trainer.export_dir outside it")
         if self.export_register_as is not None and not str(self.export_register_as).strip():
             raise ValueError("trainer.export_register_as must be a registered model name or null")
 

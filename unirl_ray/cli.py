@@ -15,6 +15,10 @@ def run_trainer(trainer_cls: type, argv: Sequence[str], default_recipe: str | No
     logging.basicConfig(level=os.environ.get("UNIRL_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     args = list(argv)
+    if any(a in ("-h", "--help") for a in args):
+        given = next((a for a in args if a.endswith((".yaml", ".yml"))), None)
+        print(help_text(trainer_cls, given or default_recipe, default=given is None))
+        return 0
     if default_recipe and (not args or not (args[0].endswith((".yaml", ".yml")) or os.path.isfile(args[0]))):
         args.insert(0, default_recipe)  # only overrides given (a bad one is named as such by parse_cli)
     try:
@@ -30,3 +34,29 @@ def run_trainer(trainer_cls: type, argv: Sequence[str], default_recipe: str | No
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def help_text(trainer_cls: type, recipe: str | None, *, default: bool = False) -> str:
+    """What ``--help`` prints: the recipe it would run, its sections and the override syntax."""
+    lines = [f"Train with {trainer_cls.__name__} on Ray.", "",
+             "usage: python recipes/<domain>.py [RECIPE.yaml] [key=value | +key=value | ~key ...]", ""]
+    if recipe:
+        lines += [f"recipe: {recipe}" + (" (the default)" if default else ""), "sections (override any key below them):"]
+        try:
+            cfg = load_recipe(recipe)
+            for name in cfg:
+                node = cfg[name]
+                target = node.get("_target_") if hasattr(node, "get") else None
+                keys = [k for k in node if k != "_target_"] if hasattr(node, "keys") else []
+                lines.append(f"  {name:<15} {target or ''}  [{', '.join(map(str, keys[:8]))}{', ...' if len(keys) > 8 else ''}]")
+        except RecipeError as exc:
+            lines.append(f"  (cannot read it: {exc})")
+    lines += ["", "overrides (values are YAML):",
+              "  trainer.num_steps=5                    set an existing key",
+              "  +trainer.export_dir=/tmp/model         add a key the recipe does not have",
+              "  ++key=value                            set it either way",
+              "  reward.rewards={b: {fn: unirl_ray.rewards.image.brightness}}   replace a whole mapping",
+              "  ~tracking.log_samples_every            delete a key (its default applies)",
+              "  trainer.run_name=my-run                a new run (the same name and storage path resume)",
+              "", "Every field of every section, with types and defaults: unirl_ray/README.md"]
+    return "\n".join(lines)

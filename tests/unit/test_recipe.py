@@ -270,3 +270,19 @@ def test_parse_cli(recipe_path: str) -> None:
         parse_cli([recipe_path, "num_steps"])
     with pytest.raises(RecipeError, match="bad override"):
         parse_cli([recipe_path, "--lr=3"])
+
+
+def test_help_deletion_and_mapping_replacement(capsys):
+    from unirl_ray.cli import run_trainer
+    from unirl_ray.trainer.diffusion import DiffusionTrainer
+
+    tiny = str(Path(__file__).resolve().parents[2] / "recipes" / "diffusion" / "sd3" / "sd3_tiny_flowgrpo.yaml")
+    assert run_trainer(DiffusionTrainer, ["--help"], default_recipe=tiny) == 0
+    out = capsys.readouterr().out
+    assert f"recipe: {tiny} (the default)" in out and "~tracking.log_samples_every" in out
+    assert "  algorithm       unirl_ray.algorithms.FlowGRPO" in out and "reward.rewards={" in out
+    cfg = load_recipe(tiny, ["~tracking.log_samples_every", "reward.rewards={b: {fn: unirl_ray.rewards.image.jpeg_compressibility}}"])
+    assert "log_samples_every" not in cfg.tracking
+    assert list(cfg.reward.rewards) == ["b"]  # the whole mapping replaced, not merged with brightness
+    with pytest.raises(RecipeError, match=r"no key 'tracking.nope' to delete"):
+        load_recipe(tiny, ["~tracking.nope"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,8 @@ def test_run_logs_params_metrics_images_and_artifacts(store) -> None:
     tracker = MLflowTracker(TrackingConfig(experiment_name="logs"))
     run_id = tracker.start(str(root), "run_a", tags={"domain": "diffusion"})
     assert tracker.tracking_uri == f"sqlite:///{root.resolve() / 'mlflow.db'}"
-    assert tracker.ui_command.startswith(f"mlflow ui --backend-store-uri {tracker.tracking_uri}")
+    # the environment's own mlflow (a bare `mlflow` may be another install, or none)
+    assert tracker.ui_command.startswith(f"{Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {tracker.tracking_uri}")
     params = {f"p.{i:03d}": i for i in range(150)} | {"reward.weight": 0.5}
     tracker.log_params(params)  # more than one batch of 100
     tracker.log_metrics({"reward/mean": 0.25, "algo/kl": math.nan, "bad key!": 1.0}, step=0)

@@ -56,7 +56,7 @@ IMPORT_PATH_KEYS = frozenset({"fn"})
 _OVERRIDE_KEY = re.compile(r"^(\+{0,2})([A-Za-z_][\w\-]*(?:\.[\w\-]+)*)$")
 _ENV_MISSING = re.compile(r"Environment variable '([^']+)' not found")
 _WRAPPED_PREFIX = re.compile(r"^\w+ raised while resolving interpolation: ")
-_USAGE = "usage: python -m unirl_ray.train_<domain> RECIPE.yaml [key=value | +key=value ...]"
+_USAGE = "usage: python -m unirl_ray.train_<domain> RECIPE.yaml [key=value | +key=value | ~key ...]"
 
 
 class RecipeError(ValueError):
@@ -159,10 +159,18 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
 
 
 def apply_override(cfg: DictConfig, override: str) -> None:
-    """Apply one ``key=value`` (existing key), ``+key=value`` (new key) or ``++key=value``."""
+    """Apply one ``key=value`` (existing key), ``+key=value`` (new key), ``++key=value`` (either) or
+    ``~key`` (delete it). A mapping value replaces the key's whole mapping (``reward.rewards={...}``)."""
     prefix, key, raw = split_override(override)
     plain = OmegaConf.to_container(cfg, resolve=False)
     exists = _lookup(plain, key.split("."))
+    if prefix == "~":
+        if not exists:
+            raise RecipeError(f"override {override!r}: the recipe has no key {key!r} to delete.{_did_you_mean(key, plain)}")
+        parent_key, _, last = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        del parent[int(last) if isinstance(parent, ListConfig) else last]
+        return
     if prefix == "" and not exists:
         raise RecipeError(
             f"override {override!r}: the recipe has no key {key!r}.{_did_you_mean(key, plain)}"
@@ -177,13 +185,15 @@ def apply_override(cfg: DictConfig, override: str) -> None:
 
 
 def split_override(override: str) -> tuple[str, str, str]:
-    """``"+a.b=1"`` -> ``("+", "a.b", "1")``; raises RecipeError on anything else."""
+    """``"+a.b=1"`` -> ``("+", "a.b", "1")``, ``"~a.b"`` -> ``("~", "a.b", "")``; RecipeError on anything else."""
+    if override.startswith("~") and "=" not in override and _OVERRIDE_KEY.match(override[1:].strip()):
+        return "~", override[1:].strip(), ""
     key, sep, raw = override.partition("=")
     match = _OVERRIDE_KEY.match(key.strip())
     if not sep or not match:
         raise RecipeError(
             f"bad override {override!r}: overrides are key=value (existing dotted key, e.g."
-            f" trainer.num_steps=5) or +key=value (new key). {_USAGE}"
+            f" trainer.num_steps=5), +key=value (new key) or ~key (delete it). {_USAGE}"
         )
     return match.group(1), match.group(2), raw
 

@@ -48,7 +48,8 @@ RETRY_BACKOFF_MAX_S = 10.0
 """Longest pause between two retries."""
 
 
-@serve.deployment(graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
+@serve.deployment(graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+                  logging_config={"enable_access_log": False})  # no "CALL score_detailed OK" line per call
 class RewardService:
     """Runs the configured reward sources on batches (one Serve replica)."""
 

@@ -103,6 +103,7 @@ class DedicatedEngine:
             ray_actor_options=dict(cfg.ray_actor_options),
             max_ongoing_requests=cfg.max_ongoing_requests,
             graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+            logging_config={"enable_access_log": False},  # no access-log line per generate call
         )
         t0 = time.perf_counter()
         extra = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}

@@ -161,6 +161,8 @@ def _set_niceness(target: int | None) -> None:
 def worker_main(config: dict[str, Any]) -> None:
     """``train_loop_per_worker``: see module docstring. ``config`` comes from ``TrainGroup``."""
     logging.basicConfig(level=config.get("log_level", "INFO"))
+    if logging.getLogger().level > logging.DEBUG:  # Ray Train's per-rank lines for every checkpoint and report
+        logging.getLogger("ray.train").setLevel(logging.WARNING)
     _set_niceness(config.get("worker_niceness"))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import sys
 import re
 import shutil
 import threading
@@ -111,6 +112,12 @@ def resolve_tracking_uri(config: TrackingConfig, run_root: str | Path) -> str:
         return env
     check_tracking_store(config, run_root)
     return f"sqlite:///{Path(run_root).resolve() / 'mlflow.db'}"
+
+
+def mlflow_cli() -> str:
+    """The ``mlflow`` command of this interpreter's environment (a bare ``mlflow`` may be another one, or none)."""
+    exe = Path(sys.executable).parent / "mlflow"
+    return str(exe) if exe.is_file() else "mlflow"
 
 
 def _local_root(run_root: str | Path) -> Path:
@@ -335,7 +342,7 @@ class MLflowTracker:
         uri = self._tracking_uri or ""
         if uri.startswith(("http://", "https://", "databricks")):
             return f"open {uri} in a browser"
-        return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+        return f"{mlflow_cli()} ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
 
     @property
     def degraded(self) -> bool:

@@ -255,8 +255,13 @@ class BaseTrainer(ABC):
 
     def setup(self) -> int:
         """Join Ray, deploy services, start the workers, open tracking; returns the last done step."""
-        print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
         self.check_resumed_recipe()  # before Ray: a changed recipe never starts anything
+        where = self._local_run_dir()
+        console(f"{self.domain} run {self.run_cfg.run_name}: the resolved recipe is in "
+                f"{os.path.join(where, RECIPE_FILE) if where else 'MLflow (recipe.yaml)'} and MLflow"
+                + (" (UNIRL_PRINT_RECIPE=1 prints it here)" if os.environ.get("UNIRL_PRINT_RECIPE") != "1" else ""))
+        if os.environ.get("UNIRL_PRINT_RECIPE") == "1":
+            print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
         log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
         check_cluster_fits(self.ray_cfg, self.extra_resources())
         from unirl_ray.runtime import run_lock

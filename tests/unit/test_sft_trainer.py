@@ -80,3 +80,13 @@ def test_real_model_recipe_validates_against_a_model_folder_and_data(monkeypatch
     monkeypatch.setenv("SFT_DATA", str(tmp_path / "missing"))
     with pytest.raises(RecipeError, match="does not exist"):
         trainer(tmp_path, recipe=os.path.join("..", "qwen2_5", "chat_sft_0_5b.yaml"))
+
+
+def test_a_rising_held_out_loss_is_called_overfitting_once(tmp_path, capsys):
+    # the tiny chat demo's eval loss rose at every evaluation while its train loss fell to 0.08, unsaid
+    sft = trainer(tmp_path)
+    seen = [sft._watch_overfitting(loss) for loss in (2.0, 1.5, 1.52, 1.7, 1.8, 1.4)]
+    assert [m["eval/rising_evals"] for m in seen] == [0, 0, 0, 1, 2, 0]  # within 2% of the best: not rising
+    assert [m["eval/best_loss"] for m in seen] == [2.0, 1.5, 1.5, 1.5, 1.5, 1.4]
+    out = capsys.readouterr().out
+    assert out.count("overfitting the training records") == 1 and "above its best (1.5000) for 2 evaluations" in out

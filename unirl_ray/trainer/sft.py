@@ -242,13 +242,36 @@ class SFTTrainer(BaseTrainer):
         if units <= 0:
             log.warning("evaluation found no usable held-out record: eval/loss is NaN")
         unit = "images" if self.data.is_image else "tokens"
+        loss = sum(r["loss_sum"] for r in ranks) / units if units > 0 else float("nan")
         return {
-            "eval/loss": sum(r["loss_sum"] for r in ranks) / units if units > 0 else float("nan"),
+            **self._watch_overfitting(loss),
+            "eval/loss": loss,
             f"eval/{unit}": units,
             "eval/records": float(sum(r["stats"]["records"] for r in ranks)),
             "eval/skipped": float(sum(sum(r["stats"]["skipped"].values()) for r in ranks)),
             "timing/eval": time.perf_counter() - t0,
         }
+
+
+    def _watch_overfitting(self, loss: float) -> dict[str, float]:
+        """``eval/rising_evals``: evaluations in a row whose held-out loss is above the best one by more
+        than 2%; from the second one the run says, once, that it is overfitting."""
+        best = getattr(self, "_best_eval_loss", None)
+        rising = getattr(self, "_rising_evals", 0)
+        if best is None or not loss > best:
+            self._best_eval_loss, rising = loss, 0
+        elif loss > best * (1 + OVERFIT_MARGIN):
+            rising += 1
+        self._rising_evals = rising
+        if rising >= 2 and not getattr(self, "_warned_overfitting", False):
+            self._warned_overfitting = True
+            console(f"eval/loss has been above its best ({best:.4f}) for {rising} evaluations (now {loss:.4f}): the "
+                    "model is overfitting the training records. Stop earlier (trainer.num_steps), train on more "
+                    "records, or lower backend.optimizer_cfg.learning_rate / raise its weight_decay")
+        return {"eval/rising_evals": float(rising), "eval/best_loss": float(self._best_eval_loss)}
+
+
+OVERFIT_MARGIN = 0.02
 
 
 def sft_progress_line(step: int, total: int, metrics: dict[str, float], totals: dict[str, float]) -> str:

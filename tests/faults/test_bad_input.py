@@ -121,11 +121,14 @@ def test_rerunning_with_a_changed_recipe_is_refused_and_a_finished_run_does_noth
     from unirl_ray.trainer.diffusion import DiffusionTrainer
 
     where = (f"trainer.storage_path={tmp_path}", "trainer.run_name=r")
-    build(*where).check_resumed_recipe()  # the first start records the recipe in the run folder
+    changed = (*where, "algorithm._target_=unirl_ray.algorithms.FlowGRPO", "algorithm.clip_range=0.3", "pipeline.height=64")
+    build(*where)._record_recipe()  # the first start records the recipe in the run folder
     assert (tmp_path / "r" / RECIPE_FILE).is_file()
+    build(*changed).check_resumed_recipe()  # no checkpoint yet (a start that failed early): it may start over changed
+    (tmp_path / "r" / "checkpoint_000004").mkdir()  # the run has trained: its recipe is fixed now
+    build(*changed)._record_recipe()  # and is not overwritten
     build(*where, "trainer.num_steps=50", "ray.scaling.num_workers=1", "tracking.log_samples_every=0",
           "stack.micro_batch_size=2").check_resumed_recipe()  # budget, resources, logging, memory knobs: fine
-    changed = (*where, "algorithm._target_=unirl_ray.algorithms.FlowGRPO", "algorithm.clip_range=0.3", "pipeline.height=64")
     with pytest.raises(RecipeError, match=r"run 'r' .* was written with another recipe.*algorithm.clip_range: .* -> 0.3"
                                           r".*pipeline.height: 32 -> 64.*trainer.run_name=<new name>"):
         build(*changed).check_resumed_recipe()

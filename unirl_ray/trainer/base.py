@@ -222,17 +222,15 @@ class BaseTrainer(ABC):
                 json.dump({"num_steps": self.run_cfg.num_steps}, f)
 
     def check_resumed_recipe(self) -> None:
-        """A run folder keeps the recipe it was first written with (``unirl_recipe.yaml``). Starting the
-        run again with a recipe that differs in what is trained is refused (a new ``trainer.run_name``
-        is what the user meant, or ``trainer.resume_changed_recipe=true``); the first start records it."""
+        """A run folder keeps the recipe it was first written with (``unirl_recipe.yaml``, see
+        ``_record_recipe``). Resuming a run that has a checkpoint with a recipe that differs in what is
+        trained is refused (a new ``trainer.run_name`` is what the user meant, or
+        ``trainer.resume_changed_recipe=true``). A run without a checkpoint yet may start over changed."""
         run_dir = self._local_run_dir()
-        if run_dir is None:
+        if run_dir is None or not self._has_checkpoint(run_dir):
             return
         path = os.path.join(run_dir, RECIPE_FILE)
         if not os.path.isfile(path):
-            os.makedirs(run_dir, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(to_yaml(self.recipe))
             return
         with open(path) as f:
             written = flatten(yaml.safe_load(f) or {})
@@ -253,20 +251,36 @@ class BaseTrainer(ABC):
             f"to resume anyway, +trainer.resume_changed_recipe=true (the recipe it started with: {path})"
         )
 
+    @staticmethod
+    def _has_checkpoint(run_dir: str) -> bool:
+        return os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))
+
+    def _record_recipe(self) -> None:
+        """Write the recipe into the run folder while the run has no checkpoint (its first start, or a
+        start that failed before one); once it has, the file is what ``check_resumed_recipe`` compares with."""
+        run_dir = self._local_run_dir()
+        if run_dir is None or self._has_checkpoint(run_dir):
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, RECIPE_FILE), "w") as f:
+            f.write(to_yaml(self.recipe))
+
     def setup(self) -> int:
         """Join Ray, deploy services, start the workers, open tracking; returns the last done step."""
         self.check_resumed_recipe()  # before Ray: a changed recipe never starts anything
         where = self._local_run_dir()
-        console(f"{self.domain} run {self.run_cfg.run_name}: the resolved recipe is in "
-                f"{os.path.join(where, RECIPE_FILE) if where else 'MLflow (recipe.yaml)'} and MLflow"
-                + (" (UNIRL_PRINT_RECIPE=1 prints it here)" if os.environ.get("UNIRL_PRINT_RECIPE") != "1" else ""))
-        if os.environ.get("UNIRL_PRINT_RECIPE") == "1":
+        shown = os.environ.get("UNIRL_PRINT_RECIPE") == "1"
+        console(f"{self.domain} run {self.run_cfg.run_name}: the resolved recipe is "
+                + (f"{os.path.join(where, RECIPE_FILE)} and " if where else "")
+                + "recipe.yaml in its MLflow run" + ("" if shown else " (UNIRL_PRINT_RECIPE=1 prints it here)"))
+        if shown:
             print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
         log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
         check_cluster_fits(self.ray_cfg, self.extra_resources())
         from unirl_ray.runtime import run_lock
 
         self._run_lock = run_lock.acquire(self.run_cfg.run_name)  # one live job per run name (its apps, store, folder)
+        self._record_recipe()
         self.start_services()
         # the MLflow store opens (a new one migrates its schema) while the workers start; the run itself
         # is opened after they announce, because a resumed run's id comes from their checkpoint

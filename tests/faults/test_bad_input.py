@@ -135,6 +135,10 @@ def test_rerunning_with_a_changed_recipe_is_refused_and_a_finished_run_does_noth
     assert run_trainer(DiffusionTrainer, list(changed), default_recipe=TINY) == 2  # one line, exit 2, nothing started
     assert "was written with another recipe" in capsys.readouterr().err and not ray.is_initialized()
     build(*changed, "+trainer.resume_changed_recipe=true").check_resumed_recipe()  # the explicit opt-in
+    from unirl_ray.trainer.ar import ARTrainer  # another domain's recipe in this run folder: said so first
+    ar = os.path.join(ROOT, "recipes", "ar", "tiny", "char_grpo_direct.yaml")
+    with pytest.raises(RecipeError, match=r"this run was written by a diffusion recipe with the tiny demo model; "):
+        ARTrainer(load_recipe(ar, list(where))).check_resumed_recipe()
 
     (tmp_path / "r" / FINISHED_FILE).write_text('{"num_steps": 24}')
     assert build(*where).fit() == {}  # already finished 24/24: nothing starts

@@ -241,6 +241,9 @@ class BaseTrainer(ABC):
             return
         shown = "; ".join(f"{k}: {written.get(k, '(absent)')} -> {now.get(k, '(absent)')}" for k in changed[:8])
         more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        origin = _recipe_origin(written)
+        if origin != _recipe_origin(now):
+            shown = f"this run was written by {origin}; {shown}"
         if self.run_cfg.resume_changed_recipe:
             log.warning("resuming %s with a changed recipe (trainer.resume_changed_recipe=true): %s%s",
                         self.run_cfg.run_name, shown, more)
@@ -545,6 +548,16 @@ def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
         f"rollout {get('timing/rollout'):.2f}s reward {get('timing/reward'):.2f}s train {get('timing/train'):.2f}s | "
         f"{get('perf/samples_per_s'):.1f} samples/s"
     )
+
+
+def _recipe_origin(flat: dict[str, str]) -> str:
+    """``"an ar recipe with model /models/qwen"`` from a flattened recipe (its trainer target and model path)."""
+    target = flat.get("trainer._target_", "")
+    domain = target.rsplit(".", 2)[-2] if target.count(".") >= 2 else "another"
+    paths = [v for k, v in flat.items() if k.startswith("bundle.") and k.endswith(("pretrained_model_path",
+                                                                                      "pretrained_model_ckpt_path"))]
+    model = next((p for p in paths if p not in ("null", "")), None)
+    return f"{'an' if domain[:1] in 'aeiou' else 'a'} {domain} recipe with " + (f"model {model}" if model else "the tiny demo model")
 
 
 def console(line: str) -> None:

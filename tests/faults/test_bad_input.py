@@ -166,6 +166,7 @@ def test_remote_storage_needs_a_tracking_store_and_creates_no_local_uri_folders(
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(RecipeError, match=r"storage_path=s3://bucket/runs is remote storage.*tracking.tracking_uri="):
         build("trainer.storage_path=s3://bucket/runs")

@@ -159,3 +159,43 @@ def test_prepare_opens_the_store_ahead_of_start_and_never_raises(tmp_path, monke
     broken = MLflowTracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'missing' / 'dir' / 'x.db'}"))
     (tmp_path / "missing").write_text("a file where the store's folder should be")
     broken.prepare(str(tmp_path / "other"))  # logged at debug level; start() degrades with a warning
+
+
+def test_a_new_sqlite_store_is_a_copy_of_the_migrated_empty_one(tmp_path, monkeypatch) -> None:
+    """The first new store builds the empty one in the cache (MLflow's migrations, once per version); the
+    next ones are copies that MLflow opens as its own: same schema revision, default experiment as
+    MLflow makes it, runs and metrics work; an existing file or a non-SQLite URI is never touched."""
+    import sqlite3
+
+    import mlflow
+    from mlflow import MlflowClient
+
+    from unirl_ray.tracking.mlflow_tracker import seed_sqlite_store
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    template = tmp_path / "cache" / "unirl_ray" / "mlflow" / f"empty-{mlflow.__version__}.db"
+    plain = tmp_path / "plain.db"
+    MlflowClient(f"sqlite:///{plain}").search_experiments()  # built by MLflow itself
+    assert seed_sqlite_store(f"sqlite:///{tmp_path / 'a.db'}") and template.is_file()
+    assert seed_sqlite_store(f"sqlite:///{tmp_path / 'b.db'}")  # from the cached template
+
+    def schema(path):
+        with sqlite3.connect(path) as db:
+            tables = db.execute("SELECT name, sql FROM sqlite_master ORDER BY name").fetchall()
+            revision = db.execute("SELECT version_num FROM alembic_version").fetchall()
+        return tables, revision
+
+    assert schema(tmp_path / "b.db") == schema(plain)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'b.db'}")
+    default = client.get_experiment("0")
+    assert default.name == "Default" and default.artifact_location == str(tmp_path / "mlruns" / "0")
+    run = client.create_run(client.create_experiment("seeded"))
+    client.log_metric(run.info.run_id, "x", 1.5, step=3)
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "x")] == [(3, 1.5)]
+
+    assert not seed_sqlite_store(f"sqlite:///{tmp_path / 'b.db'}")  # exists: left alone
+    assert client.get_run(run.info.run_id).info.run_id == run.info.run_id
+    assert not seed_sqlite_store("http://127.0.0.1:5000") and not seed_sqlite_store("postgresql://h/db")
+    assert not seed_sqlite_store(f"sqlite:///{tmp_path / 'no' / 'folder.db'}")  # MLflow reports that one
+    assert not list(tmp_path.glob(".*.db.*"))  # no partial copies left behind

@@ -126,7 +126,59 @@ def _local_root(run_root: str | Path) -> Path:
     if not is_uri(run_root):
         return Path(run_root).resolve()
     scheme, _, rest = str(run_root).partition("://")
-    return Path.home() / ".cache" / "unirl_ray" / "tracking" / scheme / rest.strip("/")
+    return cache_root() / "tracking" / scheme / rest.strip("/")
+
+
+def cache_root() -> Path:
+    """This project's folder in the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "unirl_ray"
+
+
+def seed_sqlite_store(tracking_uri: str) -> bool:
+    """Start a new local SQLite store as a copy of an empty, migrated one; True if it did.
+
+    MLflow builds a new SQLite store by running its whole schema history (dozens of migrations: seconds
+    of CPU on a small machine, before the first step of every new run folder). The empty store is built
+    that way once per MLflow version, in the user's cache, and copied; the copy is the same schema and
+    the same alembic revision, so MLflow opens it as its own. Only a ``sqlite:///`` file that does not
+    exist yet is touched; the copy appears atomically (a concurrent opener sees no file or a whole one).
+    Any failure leaves the job to MLflow as before.
+    """
+    if not str(tracking_uri).startswith("sqlite:///"):
+        return False
+    target = Path(str(tracking_uri)[len("sqlite:///"):])
+    if target.exists() or not target.parent.is_dir():
+        return False
+    try:
+        import sqlite3
+
+        import mlflow
+
+        template = cache_root() / "mlflow" / f"empty-{mlflow.__version__}.db"
+        if not template.exists():
+            template.parent.mkdir(parents=True, exist_ok=True)
+            building = template.with_name(f"{template.name}.{os.getpid()}.{threading.get_ident()}")
+            from mlflow import MlflowClient
+
+            MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)  # migrates
+            os.replace(building, template)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
+        shutil.copyfile(template, partial)
+        with sqlite3.connect(partial) as db:  # the default experiment as MLflow makes it: here, now
+            now = int(time.time() * 1000)
+            db.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                       "WHERE experiment_id = 0", (str(Path.cwd() / "mlruns" / "0"), now, now))
+        db.close()
+        try:
+            os.link(partial, target)  # fails if another process made the store meanwhile: keep theirs
+        except FileExistsError:
+            return False
+        finally:
+            partial.unlink(missing_ok=True)
+        return True
+    except Exception as exc:  # noqa: BLE001 - MLflow builds the store itself then
+        logger.debug("seeding the new MLflow store %s failed (MLflow builds it): %s", target, exc)
+        return False
 
 
 def _set_env_defaults() -> None:
@@ -220,7 +272,9 @@ class MLflowTracker:
             root = _local_root(run_root)
             root.mkdir(parents=True, exist_ok=True)
             self._artifact_root = str(run_root) if is_uri(run_root) else None
-            self._experiment_id(root, MlflowClient(tracking_uri=resolve_tracking_uri(self.config, run_root)))
+            uri = resolve_tracking_uri(self.config, run_root)
+            seed_sqlite_store(uri)
+            self._experiment_id(root, MlflowClient(tracking_uri=uri))
         except Exception as exc:  # noqa: BLE001 - start() reports what is still wrong
             logger.debug("preparing the MLflow store failed (start() retries): %s", exc)
 
@@ -238,6 +292,7 @@ class MLflowTracker:
         self._tracking_uri = resolve_tracking_uri(self.config, run_root)  # ValueError: no store for remote storage
         root = _local_root(run_root)
         root.mkdir(parents=True, exist_ok=True)
+        seed_sqlite_store(self._tracking_uri)
         self._artifact_root = str(run_root) if is_uri(run_root) else None
         self._local_dir = root / run_name
         self._degraded = self._ended = False

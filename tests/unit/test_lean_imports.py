@@ -31,15 +31,25 @@ print(json.dumps({
 """
 
 
-def _run(code: str, **env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True,
-                         timeout=180, env={**os.environ, **env})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _start(code: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import json\n" + code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+
+
+def _results(*processes: subprocess.Popen) -> list[dict]:
+    try:
+        outputs = [p.communicate(timeout=180) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for p, (_, stderr) in zip(processes, outputs, strict=True):
+        assert p.returncode == 0, stderr[-3000:]
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
 
 
 def test_models_import_without_scikit_learn_or_scipy_and_what_needs_them_works_the_same():
-    lean, plain = _run(PROBE), _run(PROBE, UNIRL_LEAN_IMPORTS="0")
+    # both probes at once: each is one busy core, and the unit tests leave the other one idle
+    lean, plain = _results(_start(PROBE), _start(PROBE, UNIRL_LEAN_IMPORTS="0"))
     assert lean.pop("imported") == {"scipy": False, "sklearn": False}
     # the finder is what keeps them out: without it, transformers and diffusers import both
     assert plain.pop("imported") == {"scipy": True, "sklearn": True}

@@ -99,7 +99,7 @@ def run_case(name: str, case: dict[str, Any], *, folder: str | None, device: tor
     from omegaconf import OmegaConf
 
     from unirl_ray.config.recipe import instantiate, load_recipe
-    from unirl_ray.runtime.stack_worker import StackWorker
+    from unirl_ray.train.rank import StackWorker
     from unirl_ray.train.configs import TrainTopology
 
     out: dict[str, Any] = {"case": name, "recipe": case["tiny"] if tiny else case["recipe"],

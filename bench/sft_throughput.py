@@ -174,7 +174,7 @@ class FeedSide:
         from omegaconf import OmegaConf
 
         from unirl_ray.config.recipe import instantiate
-        from unirl_ray.runtime.stack_worker import StackWorker
+        from unirl_ray.train.rank import StackWorker
         from unirl_ray.train.configs import TrainTopology
 
         source = instantiate(recipe.data)
@@ -182,11 +182,11 @@ class FeedSide:
                     for n in ("bundle", "pipeline", "backend", "algorithm", "stack")}
         sections["stack"]["micro_batch_size"] *= workers  # rows per forward: the ranks' together, as B
         torch.manual_seed(int(recipe.trainer.seed))
-        self.worker = StackWorker(sections, topology=TrainTopology(), device=torch.device("cpu"))
         with open(source.files[0]) as f:
             lines = [{"text": line, "path": source.files[0]} for line in f.read().splitlines() if line.strip()]
-        payload = {"source": source, "records_per_rank": int(recipe.trainer.batch_size), "cursor": {"epoch": 0, "offset": 0}}
-        self.worker.sft_start(payload, open_train=lambda: iter(lines))
+        shards = {"train": lambda: iter(lines)}
+        self.worker = StackWorker(sections, topology=TrainTopology(), device=torch.device("cpu"), open_shard=shards.get)
+        self.worker.sft_start(source=source, records_per_rank=int(recipe.trainer.batch_size), cursor={"epoch": 0, "offset": 0})
         self.seed = 0
         self.steps: list[dict[str, float]] = []
 

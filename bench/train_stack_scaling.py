@@ -137,7 +137,7 @@ def _stack_worker(rank: int, world: int, port: int | None, sections: dict, shard
         torch.set_num_threads(threads)
         import torch.distributed as dist
 
-        from unirl_ray.runtime.stack_worker import StackWorker
+        from unirl_ray.train.rank import StackWorker
         from unirl_ray.train.configs import TrainTopology
 
         if port is not None:

@@ -188,12 +188,16 @@ def test_a_run_whose_rewards_are_all_invalid_stops_instead_of_training_on_nothin
     trainer = build()
     bad = [Sample(sample_id=f"s{i}", group_id="g", prompt="p", reward=None) for i in range(4)]
     good = [Sample(sample_id="s0", group_id="g", prompt="p", reward=0.5), *bad[1:]]
-    trainer._check_rewards_usable(1, bad)
-    trainer._check_rewards_usable(2, good)  # one usable reward resets the count
-    trainer._check_rewards_usable(3, bad)
-    trainer._check_rewards_usable(4, bad)
+    check = trainer.make_credit().check_usable  # the credit-assignment stage checks before it assigns
+    check(1, bad)
+    check(2, good)  # one usable reward resets the count
+    check(3, bad)
+    check(4, bad)
     with pytest.raises(RuntimeError, match=r"steps 3\.\.5: every sample's reward was invalid.*reward.timeout_s"):
-        trainer._check_rewards_usable(5, bad)
+        check(5, bad)
+    with pytest.raises(RuntimeError, match=r"steps 1\.\.3: every sample's reward was invalid"):
+        for step in (1, 2, 3):  # through the stage itself, as learn() calls it
+            trainer.assign_credit(step, bad)
 
 
 # ------------------------------------------------------------------ prompt files

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from support import ROOT, attempts, fit, kill_rank, load, logged, recipe_path
 
-from unirl_ray.runtime.stack_worker import StackWorker
+from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
 from unirl_ray.trainer.ar import ARTrainer

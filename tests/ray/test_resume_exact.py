@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 from support import attempts, fit, kill_rank, load, make, recipe_path
 
-from unirl_ray.runtime.stack_worker import StackWorker
+from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
 from unirl_ray.trainer.ar import ARTrainer

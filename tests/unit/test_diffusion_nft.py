@@ -336,7 +336,7 @@ def test_tiny_nft_recipe_validates_and_its_worker_trains_a_step():
     import ray
 
     from unirl_ray.config.recipe import load_recipe, validate_targets
-    from unirl_ray.runtime.stack_worker import StackWorker
+    from unirl_ray.train.rank import StackWorker
     from unirl_ray.train.configs import TrainTopology
     from unirl_ray.trainer.diffusion import DiffusionTrainer
 

@@ -14,7 +14,7 @@ from unirl_ray.algorithms.sft import SFT, collate_text
 from unirl_ray.config.recipe import load_recipe
 from unirl_ray.core.sample import Sample
 from unirl_ray.data.sft_examples import SFTImagePart, SFTTextPart, TextExampleBuilder, pack_rows, padding_row
-from unirl_ray.runtime.stack_worker import StackWorker
+from unirl_ray.train.rank import StackWorker
 from unirl_ray.train.configs import TrainTopology
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..")

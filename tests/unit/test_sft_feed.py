@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from _dist import run_ranks
 from unirl_ray.config.recipe import load_recipe
-from unirl_ray.runtime.stack_worker import StackWorker
+from unirl_ray.train.rank import StackWorker
 from unirl_ray.train.configs import TrainTopology
 from unirl_ray.trainer.sft import SFTTrainer
 
@@ -40,9 +40,9 @@ def lines_of(path, extra=()):
 
 def start(sections, src, rows, *, per_rank, topology=TrainTopology(), eval_rows=None):
     torch.manual_seed(0)
-    worker = StackWorker(sections, topology=topology, device=torch.device("cpu"))
-    worker.sft_start({"source": src, "records_per_rank": per_rank, "cursor": {"epoch": 0, "offset": 0}},
-                     open_train=lambda: iter(rows), open_eval=(lambda: iter(eval_rows)) if eval_rows else None)
+    shards = {"train": lambda: iter(rows), "eval": (lambda: iter(eval_rows)) if eval_rows else None}
+    worker = StackWorker(sections, topology=topology, device=torch.device("cpu"), open_shard=shards.get)
+    worker.sft_start(source=src, records_per_rank=per_rank, cursor={"epoch": 0, "offset": 0})
     return worker
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from unirl_ray.core.sample import Sample
+from unirl_ray.core.sample import Part, Sample, part_advantage, routed_part
 
 
 @dataclass(kw_only=True)
@@ -45,9 +45,22 @@ class StageAlgorithm(ABC):
 
     supports_multi_update: ClassVar[bool] = False
     """Whether ``num_updates_per_batch > 1`` (PPO-style epochs over one rollout) is sound."""
+    part_type: ClassVar[type[Part]] = Part
+    """The kind of Part this algorithm trains (``TextPart``, ``DiffusionPart``)."""
+    stage: str | None = None
+    """The side / stage this algorithm trains (set by the rank that builds it); it takes the Parts routed
+    to that stage (``Part.stage``). ``None``: a single-side recipe, whose samples hold one such Part."""
 
     def __init__(self, *, pipeline: Any = None) -> None:
         self.pipeline = pipeline
+
+    def part_of(self, sample: Sample) -> Part:
+        """The Part of ``sample`` this algorithm trains (``core.sample.routed_part``)."""
+        return routed_part(sample, self.part_type, self.stage)
+
+    def advantages(self, samples: list[Sample]) -> torch.Tensor:
+        """[B] the advantage each sample's Part trains on: the Part's own, else the sample's."""
+        return torch.tensor([part_advantage(s, self.part_of(s)) for s in samples], dtype=torch.float32)
 
     @property
     def needs_reference(self) -> bool:

@@ -44,8 +44,8 @@ import torch
 
 from unirl_ray.algorithms.advantages import group_advantages
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
-from unirl_ray.algorithms.flow_grpo import diffusion_part, segment_seed
-from unirl_ray.core.sample import Sample
+from unirl_ray.algorithms.flow_grpo import segment_seed
+from unirl_ray.core.sample import DiffusionPart, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class DiffusionNFT(StageAlgorithm):
     """
 
     supports_multi_update: ClassVar[bool] = True
+    part_type: ClassVar[type[DiffusionPart]] = DiffusionPart
     needs_shadow_policy: ClassVar[bool] = True
     """The loss needs ``LossContext.shadow_policy`` (``backend.ema_lora_cfg``); the stack checks it."""
 
@@ -210,21 +211,14 @@ class DiffusionNFT(StageAlgorithm):
         """
         chosen: dict[str, torch.Tensor] = {}
         for s in samples:
-            steps = diffusion_part(s).num_steps
+            steps = self.part_of(s).num_steps
             gen = torch.Generator().manual_seed(segment_seed(seed, s.sample_id))
             chosen[s.sample_id] = torch.randperm(steps, generator=gen)[: self.num_train_steps(steps)].sort().values
         return {"sigma_index": chosen, "seed": int(seed)}
 
     def _optimality(self, samples: list[Sample]) -> torch.Tensor:
         """[B] r of each sample (a part's own advantage overrides the sample's)."""
-        values = []
-        for s in samples:
-            part_adv = diffusion_part(s).advantage
-            adv = part_adv if part_adv is not None else s.advantage
-            if adv is None:
-                raise ValueError(f"sample {s.sample_id!r} has no advantage; call compute_advantages first")
-            values.append(float(adv))
-        return optimality_probability(torch.tensor(values, dtype=torch.float32), self.adv_clip_max)
+        return optimality_probability(self.advantages(samples), self.adv_clip_max)
 
     def compute_loss_and_backward(
         self, samples: list[Sample], segment: dict[str, Any], ctx: LossContext
@@ -243,7 +237,7 @@ class DiffusionNFT(StageAlgorithm):
             idx = torch.stack([segment["sigma_index"][s.sample_id] for s in samples])
         except KeyError as err:
             raise ValueError(f"sample {err} is not in this segment; call prepare_segment on its shard first") from err
-        batch = self.pipeline.collate([diffusion_part(s) for s in samples])
+        batch = self.pipeline.collate([self.part_of(s) for s in samples])
         x0 = batch["latents"][:, -1].float()
         r = self._optimality(samples)
         rows = torch.arange(len(samples))

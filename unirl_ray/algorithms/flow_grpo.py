@@ -37,17 +37,14 @@ import torch
 from unirl_ray.algorithms.advantages import group_advantages
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
 from unirl_ray.algorithms.off_policy import OffPolicyCorrection, correction_stats
-from unirl_ray.core.sample import DiffusionPart, Sample
+from unirl_ray.core.sample import DiffusionPart, Sample, routed_part
 
 logger = logging.getLogger(__name__)
 
 
-def diffusion_part(sample: Sample) -> DiffusionPart:
-    """The (first) diffusion trajectory of ``sample``; ``ValueError`` if it has none."""
-    for part in sample.parts:
-        if isinstance(part, DiffusionPart):
-            return part
-    raise ValueError(f"sample {sample.sample_id!r} has no DiffusionPart; this algorithm trains diffusion trajectories")
+def diffusion_part(sample: Sample, stage: str | None = None) -> DiffusionPart:
+    """The diffusion trajectory of ``sample`` that ``stage`` trains (``core.sample.routed_part``)."""
+    return routed_part(sample, DiffusionPart, stage)
 
 
 def segment_seed(seed: int, sample_id: str) -> int:
@@ -73,6 +70,7 @@ class FlowGRPO(StageAlgorithm):
     """
 
     supports_multi_update: ClassVar[bool] = True
+    part_type: ClassVar[type[DiffusionPart]] = DiffusionPart
 
     def __init__(
         self,
@@ -153,7 +151,7 @@ class FlowGRPO(StageAlgorithm):
         timesteps: dict[str, torch.Tensor] = {}
         old: dict[str, torch.Tensor] = {}
         for s in samples:
-            part = diffusion_part(s)
+            part = self.part_of(s)
             sde_steps = torch.isfinite(part.log_probs).nonzero().flatten()
             if sde_steps.numel() == 0:
                 raise ValueError(
@@ -176,8 +174,8 @@ class FlowGRPO(StageAlgorithm):
         """``{sample_id: Tensor[T]}``: log-probs of the chosen steps under ``policy`` as it is now (no grad;
         NaN at the steps not trained)."""
         idx = torch.stack([segment["timesteps"][s.sample_id] for s in samples])
-        batch = self.pipeline.collate([diffusion_part(s) for s in samples])
-        prox = torch.full((len(samples), diffusion_part(samples[0]).num_steps), float("nan"))
+        batch = self.pipeline.collate([self.part_of(s) for s in samples])
+        prox = torch.full((len(samples), self.part_of(samples[0]).num_steps), float("nan"))
         rows = torch.arange(len(samples))
         with torch.no_grad():
             for k in range(idx.shape[1]):
@@ -187,14 +185,7 @@ class FlowGRPO(StageAlgorithm):
 
     def _advantages(self, samples: list[Sample]) -> torch.Tensor:
         """[B] clamped advantages (a part's own advantage overrides the sample's)."""
-        values = []
-        for s in samples:
-            part_adv = diffusion_part(s).advantage
-            adv = part_adv if part_adv is not None else s.advantage
-            if adv is None:
-                raise ValueError(f"sample {s.sample_id!r} has no advantage; call compute_advantages first")
-            values.append(float(adv))
-        return torch.tensor(values, dtype=torch.float32).clamp(-self.adv_clip_max, self.adv_clip_max)
+        return self.advantages(samples).clamp(-self.adv_clip_max, self.adv_clip_max)
 
     def compute_loss_and_backward(
         self, samples: list[Sample], segment: dict[str, Any], ctx: LossContext
@@ -211,7 +202,7 @@ class FlowGRPO(StageAlgorithm):
                 self.off_policy.decoupled) else None
         except KeyError as err:
             raise ValueError(f"sample {err} is not in this segment; call prepare_segment on its shard first") from err
-        batch = self.pipeline.collate([diffusion_part(s) for s in samples])
+        batch = self.pipeline.collate([self.part_of(s) for s in samples])
         adv = self._advantages(samples)
         rows = torch.arange(len(samples))
         sums: dict[str, float] = {}

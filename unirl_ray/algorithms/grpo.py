@@ -57,7 +57,7 @@ from unirl_ray.algorithms.advantages import check_finite_advantages, group_advan
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
 from unirl_ray.algorithms.off_policy import OffPolicyCorrection, correction_stats
 from unirl_ray.config.checks import check_choice, check_literal_args
-from unirl_ray.core.sample import Sample, TextPart
+from unirl_ray.core.sample import Sample, TextPart, routed_part
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +185,9 @@ def token_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def text_part(sample: Sample) -> TextPart:
-    """The (first) text segment of ``sample``; ``ValueError`` if it has none."""
-    for part in sample.parts:
-        if isinstance(part, TextPart):
-            return part
-    raise ValueError(f"sample {sample.sample_id!r} has no TextPart; GRPO trains token sequences")
+def text_part(sample: Sample, stage: str | None = None) -> TextPart:
+    """The text segment of ``sample`` that ``stage`` trains (``core.sample.routed_part``)."""
+    return routed_part(sample, TextPart, stage)
 
 
 def _valid_tokens(part: TextPart) -> float:
@@ -213,6 +210,7 @@ class GRPO(StageAlgorithm):
     """
 
     supports_multi_update: ClassVar[bool] = True
+    part_type: ClassVar[type[TextPart]] = TextPart
 
     def __init__(
         self,
@@ -307,14 +305,14 @@ class GRPO(StageAlgorithm):
     def loss_units(self, samples: list[Sample]) -> float:
         """Valid completion tokens for ``token_mean`` (global token normalisation); samples otherwise."""
         if self.loss_aggregation == "token_mean":
-            return sum(_valid_tokens(text_part(s)) for s in samples)
+            return sum(_valid_tokens(self.part_of(s)) for s in samples)
         return float(len(samples))
 
     def prepare_segment(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
         """Freeze pi_old: ``{"old_log_probs": {sample_id: Tensor[C]}}`` (the recorded behaviour log-probs)."""
         old = {}
         for s in samples:
-            part = text_part(s)
+            part = self.part_of(s)
             if part.log_probs is None:
                 raise ValueError(f"sample {s.sample_id!r} has a light TextPart (no log_probs); train on full samples")
             old[s.sample_id] = part.log_probs.detach().float().clone()
@@ -322,7 +320,7 @@ class GRPO(StageAlgorithm):
 
     def proximal_log_probs(self, samples: list[Sample], segment: dict[str, Any], policy: torch.nn.Module) -> dict[str, torch.Tensor]:
         """``{sample_id: Tensor[C]}``: the completion tokens' log-probs under ``policy`` as it is now (no grad)."""
-        parts = [text_part(s) for s in samples]
+        parts = [self.part_of(s) for s in samples]
         batch = self.pipeline.collate(parts)
         with torch.no_grad():
             logp, _ = self.pipeline.token_log_probs(policy, batch)
@@ -332,17 +330,6 @@ class GRPO(StageAlgorithm):
             start = len(p.prompt_ids) - 1
             out[s.sample_id] = logp[b, start : start + len(p.completion_ids)].clone()
         return out
-
-    def _advantages(self, samples: list[Sample]) -> torch.Tensor:
-        """[B] advantages (a part's own advantage overrides the sample's)."""
-        values = []
-        for s in samples:
-            part_adv = text_part(s).advantage
-            adv = part_adv if part_adv is not None else s.advantage
-            if adv is None:
-                raise ValueError(f"sample {s.sample_id!r} has no advantage; call compute_advantages first")
-            values.append(float(adv))
-        return torch.tensor(values, dtype=torch.float32)
 
     def _norm_tokens(self) -> float:
         if self.loss_norm_tokens is not None:
@@ -373,14 +360,14 @@ class GRPO(StageAlgorithm):
         if self.needs_reference and ctx.reference is None:
             raise ValueError("kl_beta > 0 needs a reference model; the stack must pass ctx.reference")
         try:
-            parts = [dataclasses.replace(text_part(s), log_probs=segment["old_log_probs"][s.sample_id]) for s in samples]
+            parts = [dataclasses.replace(self.part_of(s), log_probs=segment["old_log_probs"][s.sample_id]) for s in samples]
         except KeyError as err:
             raise ValueError(f"sample {err} is not in this segment; call prepare_segment on its shard first") from err
         batch = self.pipeline.collate(parts)
         logp, entropy = self.pipeline.token_log_probs(ctx.policy, batch)
         mask = batch["completion_mask"].to(logp.device)
         old = batch["old_log_probs"].to(logp.device)
-        adv = self._advantages(samples).to(logp.device)
+        adv = self.advantages(samples).to(logp.device)
 
         anchor, is_stats = old, {}
         if self.off_policy.decoupled:  # clip around the proximal policy, weight by pi_prox / pi_behav

@@ -32,6 +32,13 @@ class Part:
 
     kind: str = "part"
     """Family tag: ``"diffusion"``, ``"text"``, ..."""
+    stage: str | None = None
+    """The side / stage that produced this Part and trains it (e.g. ``"ar"`` and ``"diffusion"`` in a
+    prompt-enhancer Sample); ``None`` in a single-side recipe. Algorithms take the Parts of their stage
+    (``routed_part``), never "the first Part of a kind"."""
+    reward: float | None = None
+    """This Part's own reward, where credit assignment gives it one (a rewrite scored by its images);
+    ``None`` means the sample's reward applies."""
     advantage: float | None = None
     """Per-part advantage; ``None`` means the sample's advantage applies."""
 
@@ -139,6 +146,57 @@ class Sample:
     @property
     def is_light(self) -> bool:
         return any(p.is_light for p in self.parts)
+
+
+def routed_part(sample: Sample, part_type: type[Part], stage: str | None = None) -> Part:
+    """The one Part of ``part_type`` that ``stage`` trains in ``sample``; ``ValueError`` if there is none
+    or the choice is ambiguous.
+
+    With a stage: the Parts of that stage, else the unnamed ones (a single-side recipe's Parts belong to
+    its one side). Without one: every Part of the type, which must then be exactly one.
+    """
+    typed = [p for p in sample.parts if isinstance(p, part_type)]
+    where = "" if stage is None else f" of stage {stage!r}"
+    chosen = typed
+    if stage is not None:
+        chosen = [p for p in typed if p.stage == stage] or [p for p in typed if p.stage is None]
+    if len(chosen) == 1:
+        return chosen[0]
+    name = part_type.__name__
+    if not chosen:
+        stages = sorted({str(p.stage) for p in typed})
+        raise ValueError(f"sample {sample.sample_id!r} has no {name}{where}"
+                         + (f" (its {name}s are of stage {', '.join(stages)})" if typed else ""))
+    raise ValueError(f"{len(chosen)} {name}s{where} in sample {sample.sample_id!r} and no stage to choose by: "
+                     "route each Part to the stage that trains it (Part.stage) and give the algorithm its stage")
+
+
+def part_advantage(sample: Sample, part: Part) -> float:
+    """The advantage ``part`` trains on: its own where credit assignment set one, else the sample's."""
+    value = part.advantage if part.advantage is not None else sample.advantage
+    if value is None:
+        raise ValueError(f"sample {sample.sample_id!r} has no advantage; call compute_advantages first")
+    return float(value)
+
+
+def complete_sample(light: Sample, cached: Sample) -> Sample:
+    """``cached`` (the full sample a trainside rank kept) with every score the driver set on ``light``:
+    the sample's rewards, reward and advantage and each Part's reward and advantage. The Parts must be the
+    cached ones, in order (same type and stage); a mismatch is a ``ValueError``, never a silent mix-up."""
+    if light.sample_id != cached.sample_id:
+        raise ValueError(f"sample {light.sample_id!r} from the driver is not the same sample as {cached.sample_id!r}")
+    if len(light.parts) != len(cached.parts):
+        raise ValueError(f"sample {cached.sample_id!r} has {len(cached.parts)} Parts in the rank's cache but "
+                         f"{len(light.parts)} from the driver")
+    for i, (got, kept) in enumerate(zip(light.parts, cached.parts)):
+        if type(got) is not type(kept) or got.stage != kept.stage:
+            raise ValueError(f"Part {i} of sample {cached.sample_id!r} is a {type(got).__name__} of stage "
+                             f"{got.stage!r} from the driver but a {type(kept).__name__} of stage {kept.stage!r} "
+                             "in the rank's cache")
+    cached.rewards, cached.reward, cached.advantage = light.rewards, light.reward, light.advantage
+    for got, kept in zip(light.parts, cached.parts):
+        kept.reward, kept.advantage = got.reward, got.advantage
+    return cached
 
 
 @dataclass(kw_only=True)

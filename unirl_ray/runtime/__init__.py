@@ -1,4 +1,5 @@
 """The Ray side: joining a cluster (``cluster``), the long-lived Ray Train run (``train_group``), its
-command broker (``broker``), the worker program (``worker``) and the Ray Serve start / shutdown-poll
-settings the Serve apps share (``serve``). ``stack_worker`` is Ray-free: it is what one train rank
-holds, usable in a single process too. Import from the submodules."""
+command broker (``broker``), the worker program (``worker``), how a rank object names the commands it
+serves (``operations``, Ray-free) and the Ray Serve start / shutdown-poll settings the Serve apps share
+(``serve``). What a train rank holds and does is the train side's (``unirl_ray.train.rank``), not the
+runtime's. Import from the submodules."""

@@ -45,7 +45,10 @@ class TrainGroup:
         storage_path: str,
         seed: int,
         datasets: dict[str, Any] | None = None,
+        rank_class: str | None = None,
     ) -> None:
+        """``rank_class``: dotted path of what each rank builds from ``sections`` (default
+        ``runtime.worker.DEFAULT_RANK_CLASS``, the single-stack ``train.rank.StackWorker``)."""
         self.ray_cfg = ray_cfg
         self.datasets = datasets  # Ray Data datasets for the ranks (ray.train.get_dataset_shard; see _dataset_config)
         self.run_name = run_name
@@ -55,6 +58,7 @@ class TrainGroup:
         self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE).remote(self.world_size)
         self.loop_config = {
             "sections": sections,
+            "rank_class": rank_class,
             "broker_name": self.broker_name,
             "namespace": NAMESPACE,
             "use_gpu": ray_cfg.use_gpu,

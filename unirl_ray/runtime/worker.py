@@ -10,6 +10,7 @@ checkpoint as committed.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -24,13 +25,17 @@ import ray.train
 import torch
 
 from unirl_ray.runtime.broker import pack, unpack
-from unirl_ray.runtime.stack_worker import StackWorker
+from unirl_ray.runtime.operations import dispatch
 from unirl_ray.train.configs import TrainTopology
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "controller_state.json"
 SHARDS_DIR = "shards"
+DEFAULT_RANK_CLASS = "unirl_ray.train.rank.StackWorker"
+"""What a train rank builds unless the trainer names another class (``TrainGroup(rank_class=...)``): an
+object built as ``cls(sections, topology=, device=, open_shard=)`` with ``save``, ``load``,
+``policy_version`` and its commands marked ``@operation`` (``runtime.operations``)."""
 
 
 def _device(use_gpu: bool) -> torch.device:
@@ -67,7 +72,7 @@ def read_checkpoint_state(directory: str, name: str | None = None) -> dict[str, 
     return state
 
 
-def _restore(worker: StackWorker) -> tuple[int, dict[str, Any] | None]:
+def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0, None
@@ -77,7 +82,7 @@ def _restore(worker: StackWorker) -> tuple[int, dict[str, Any] | None]:
     return int(state["step"]), state
 
 
-def _save(worker: StackWorker, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
+def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
     step = int(payload["step"])
     tmp = tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
     try:
@@ -109,32 +114,19 @@ def _wait_committed(name: str, timeout_s: float) -> str:
     raise TimeoutError(f"checkpoint {name} was not committed by Ray Train within {timeout_s:.0f}s")
 
 
-def _dispatch(worker: StackWorker, op: str, payload: Any, rank: int, save_timeout_s: float) -> Any:
-    if op == "generate":
-        return worker.generate(payload["requests"])
-    if op == "eval_generate":
-        return worker.eval_generate(payload["requests"], use_ema=bool(payload["use_ema"]))
-    if op == "train":
-        return worker.train(payload["samples"], seed=int(payload["seed"]))
+def _dispatch(worker: Any, op: str, payload: Any, rank: int, save_timeout_s: float) -> Any:
+    """The runtime's own commands (a collective checkpoint, a liveness ping), else the rank object's."""
     if op == "save":
         return _save(worker, payload, rank, save_timeout_s)
-    if op == "export_weights":
-        return worker.export_weights()
-    if op == "export":
-        return worker.export(payload["directory"], bool(payload["merge_lora"]), overwrite=bool(payload["overwrite"]))
-    if op == "offload":
-        return worker.offload()
-    if op == "onload":
-        return worker.onload()
-    if op == "sft_start":
-        return worker.sft_start(payload, open_train=_shard_opener("train"), open_eval=_shard_opener("eval"))
-    if op == "sft_train":
-        return worker.sft_train(payload["seeds"])
-    if op == "sft_eval":
-        return worker.sft_eval()
     if op == "ping":
         return {"policy_version": worker.policy_version, "niceness": os.nice(0), "pid": os.getpid()}
-    raise ValueError(f"unknown worker command {op!r}")
+    return dispatch(worker, op, payload)
+
+
+def rank_class(path: str) -> type:
+    """The rank class at dotted ``path`` (``module.Class``)."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _shard_opener(name: str) -> Any:
@@ -172,7 +164,8 @@ def worker_main(config: dict[str, Any]) -> None:
         return  # the controller gave up on this run (a failed start) before this worker came up
     torch.manual_seed(int(config.get("seed", 0)))
     try:
-        worker = StackWorker(config["sections"], topology=topology, device=_device(config["use_gpu"]))
+        cls = rank_class(config.get("rank_class") or DEFAULT_RANK_CLASS)
+        worker = cls(config["sections"], topology=topology, device=_device(config["use_gpu"]), open_shard=_shard_opener)
         restored_step, state = _restore(worker)
     except Exception as exc:  # report build errors to the driver instead of a bare worker crash
         info = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

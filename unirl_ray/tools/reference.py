@@ -85,7 +85,7 @@ MODULE_ORDER: tuple[str, ...] = (
 INTERNAL_MODULES = (
     "unirl_ray.runtime.broker",
     "unirl_ray.runtime.serve",
-    "unirl_ray.runtime.stack_worker",
+    "unirl_ray.train.rank",
     "unirl_ray.runtime.timeouts",
     "unirl_ray.runtime.train_group",
     "unirl_ray.runtime.worker",

@@ -124,6 +124,8 @@ class BaseTrainer(ABC):
 
     domain = "base"
     worker_sections: tuple[str, ...] = ()
+    rank_class: str | None = None
+    """Dotted path of the rank object the train workers build (None: ``train.rank.StackWorker``)."""
     """Recipe sections the train workers build (bundle, pipeline, backend, ...)."""
     driver_sections: tuple[str, ...] = ("trainer", "ray", "tracking")
 
@@ -361,6 +363,7 @@ class BaseTrainer(ABC):
             storage_path=self.run_cfg.storage_path,
             seed=self.run_cfg.seed,
             datasets=self.worker_datasets(),
+            rank_class=self.rank_class,
         )
         t0 = time.perf_counter()
         announced = self.group.start()
@@ -479,7 +482,8 @@ class BaseTrainer(ABC):
             if name != "rollout" and self.recipe.get(name) is not None
         }
         group = TrainGroup(
-            sections=sections, ray_cfg=self.ray_cfg, run_name=cfg.run_name, storage_path=cfg.storage_path, seed=cfg.seed
+            sections=sections, ray_cfg=self.ray_cfg, run_name=cfg.run_name, storage_path=cfg.storage_path, seed=cfg.seed,
+            rank_class=self.rank_class,
         )
         try:
             announced = group.start()

@@ -15,7 +15,8 @@ Each step, in order (``run_step``):
     prompts   -> data.next_batch(prompts_per_step), each prompt repeated group_size times
     rollout   -> trainside ranks or the engine app (log-probs recorded per step / token)
     reward    -> the reward Serve app
-    advantage -> the algorithm's group-relative advantages (on the driver: groups span ranks)
+    credit    -> assign_credit: the algorithm's group-relative advantages by default (on the driver: groups
+                 span ranks; ``algorithms.credit``)
     train     -> every rank trains on its shard (prepare_segment, mini-batches, optimizer steps)
     sync      -> dedicated engines only: publish the new version to every replica
     log       -> MLflow metrics (+ samples every ``tracking.log_samples_every`` steps)
@@ -29,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +37,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from unirl_ray.algorithms.credit import CreditAssignment
 from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
@@ -285,9 +286,8 @@ class RLTrainer(BaseTrainer):
         return samples, metrics
 
     def learn(self, step: int, samples: list[Sample], metrics: dict[str, Any], t_step: float) -> dict[str, Any]:
-        """advantages -> train -> weight sync -> timings, sample logging and evaluation."""
-        self._check_rewards_usable(step, samples)
-        metrics |= self.algorithm.compute_advantages(samples)
+        """credit assignment -> train -> weight sync -> timings, sample logging and evaluation."""
+        metrics |= self.assign_credit(step, samples)
 
         t0 = time.perf_counter()
         metrics |= self.train(samples, seed=derive_seed(self.run_cfg.seed, "train", step))
@@ -304,17 +304,15 @@ class RLTrainer(BaseTrainer):
             metrics |= self.evaluate(step)
         return metrics
 
-    def _check_rewards_usable(self, step: int, samples: list[Sample]) -> None:
-        """Stop a run whose rewards have all been invalid for ``ALL_INVALID_STEPS`` steps in a row
-        (sources that fail or time out under ``on_error: skip``): it would train on nothing."""
-        usable = any(s.reward is not None and math.isfinite(s.reward) for s in samples)
-        self._all_invalid_steps = 0 if usable else getattr(self, "_all_invalid_steps", 0) + 1
-        if self._all_invalid_steps >= ALL_INVALID_STEPS:
-            raise RuntimeError(
-                f"steps {step - self._all_invalid_steps + 1}..{step}: every sample's reward was invalid (None or not "
-                "finite), so nothing was learned: the reward sources fail or time out (see the warnings above and "
-                "reward/invalid_frac, reward/<name>/* in MLflow). Fix the reward fn, or raise reward.timeout_s"
-            )
+    def assign_credit(self, step: int, samples: list[Sample]) -> dict[str, float]:
+        """The credit-assignment stage (``algorithms.credit``): every sample's (and Part's) advantage."""
+        if getattr(self, "credit", None) is None:
+            self.credit = self.make_credit()
+        return self.credit(step, samples)
+
+    def make_credit(self) -> CreditAssignment:
+        """This trainer's credit assignment: by default the algorithm's ``compute_advantages``."""
+        return CreditAssignment(self.algorithm)
 
     def publish_weights(self) -> dict[str, float]:
         """Push the trained weights to every engine replica and verify them (the barrier); returns metrics."""
@@ -427,9 +425,6 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
 
 REWARD_DEPLOY_TIMEOUT_S = 900.0
 """Backstop on waiting for the reward apps' deploy (each app has its own 120 s readiness timeout)."""
-ALL_INVALID_STEPS = 3
-"""Consecutive steps in which every sample's reward is invalid after which the run stops."""
-
 
 def _in_background(what: str, fn: Any, *args: Any, **kwargs: Any) -> Future:
     """``fn(*args, **kwargs)`` in a thread of its own (a Serve deploy that mostly waits on replicas)."""

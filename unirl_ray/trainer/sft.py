@@ -6,7 +6,7 @@ the records never pass through it: Ray Data streams each rank's shard into its w
 builds, packs and trains (``unirl_ray.data.sft_feed``). The loop:
 
     for each call (up to trainer.steps_per_call steps, cut at every eval / checkpoint):
-        results = group.call("sft_train", seeds)   # per step, on every rank: take records -> build ->
+        results = group.call("sft_train", {"seeds": seeds})   # per step, on every rank: take records -> build ->
                                                    #   pack -> balance rows over ranks -> TrainStack
         log each step: train/loss, train/lr, train/grad_norm, perf/tokens_per_s, data/skipped_*, ...
         every eval_every steps: group.call("sft_eval") -> eval/loss

@@ -10,19 +10,22 @@ Built once per worker from the recipe sections, in the seed's order::
     rollout   = build(rollout_cfg, pipeline=pipeline, backend=backend)   # trainside rollout
 
 Plain Python (no Ray): the worker loop in ``runtime.worker`` drives it, and tests and benchmarks
-can drive it directly in one process.
+can drive it directly in one process. Its commands are the methods marked ``@operation``
+(``runtime.operations``): the runtime dispatches ``TrainGroup.call(name, payload)`` to them by name.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unirl_ray.config.recipe import instantiate
-from unirl_ray.core.sample import Sample
+from unirl_ray.core.sample import Sample, complete_sample
+from unirl_ray.runtime.operations import operation
 from unirl_ray.train.configs import TrainTopology
 
 if TYPE_CHECKING:
@@ -34,9 +37,13 @@ log = logging.getLogger(__name__)
 class StackWorker:
     """One train rank's objects and the operations the controller asks of them."""
 
-    def __init__(self, sections: dict[str, Any], *, topology: TrainTopology, device: torch.device) -> None:
+    def __init__(self, sections: dict[str, Any], *, topology: TrainTopology, device: torch.device,
+                 open_shard: Callable[[str], Callable[[], Any] | None] | None = None) -> None:
+        """``open_shard(name)``: a function that starts a new epoch over this rank's shard of Ray Data
+        dataset ``name`` (None when the run has no such dataset); given by the worker program."""
         self.topology = topology
         self.device = device
+        self.open_shard = open_shard or (lambda name: None)
         self.bundle = instantiate(sections["bundle"])
         if hasattr(self.bundle, "to"):
             self.bundle.to(device)
@@ -57,6 +64,7 @@ class StackWorker:
         return self.stack.policy_version
 
     # ------------------------------------------------------------------ ops
+    @operation
     def generate(self, requests: list[dict[str, Any]]) -> list[Sample]:
         """Trainside rollout of this rank's requests; keeps full samples, returns light ones."""
         if self.rollout is None:
@@ -65,7 +73,8 @@ class StackWorker:
         self._cache = {s.sample_id: s for s in samples}
         return [s.light() for s in samples]
 
-    def eval_generate(self, requests: list[dict[str, Any]], *, use_ema: bool) -> list[Sample]:
+    @operation
+    def eval_generate(self, requests: list[dict[str, Any]], use_ema: bool = False) -> list[Sample]:
         """Collective: sample ``requests`` with the trained module, with its EMA weights when ``use_ema``
         (``backend.ema_weights()`` swaps them back bit for bit); returns light samples (images kept)."""
         import contextlib
@@ -78,9 +87,10 @@ class StackWorker:
             samples = rollout.generate(requests, policy_version=self.policy_version)
         return [s.light() for s in samples]
 
-    def train(self, scored: list[Sample], *, seed: int) -> dict[str, Any]:
+    @operation
+    def train(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
         """Train on this rank's shard; light samples are completed from the rollout cache."""
-        shard = [self._complete(s) for s in scored]
+        shard = [self._complete(s) for s in samples]
         result = self.stack.train(shard, seed=seed)
         self._cache.clear()
         return {
@@ -98,9 +108,9 @@ class StackWorker:
                 f"sample {sample.sample_id} carries no trajectory and is not in this rank's rollout cache; "
                 "samples of a trainside rollout must be trained on the rank that generated them"
             )
-        cached.rewards, cached.reward, cached.advantage = sample.rewards, sample.reward, sample.advantage
-        return cached
+        return complete_sample(sample, cached)  # every score the driver set, the sample's and each Part's
 
+    @operation
     def export_weights(self) -> dict[str, Any]:
         """Collective: the full trainable weights (LoRA adapters only with LoRA) on rank 0."""
         from unirl_ray.rollout.weight_sync import state_checksum
@@ -110,7 +120,8 @@ class StackWorker:
             return {}
         return {"state": state, "checksum": state_checksum(state), "policy_version": self.policy_version}
 
-    def export(self, directory: str, merge_lora: bool = True, *, overwrite: bool = False) -> ExportInfo | None:
+    @operation
+    def export(self, directory: str, merge_lora: bool = True, overwrite: bool = False) -> ExportInfo | None:
         """Collective: write the trained model as a ``from_pretrained`` folder on rank 0 (``train.export``).
 
         Returns the ``ExportInfo`` on rank 0, ``None`` on the other ranks.
@@ -127,35 +138,40 @@ class StackWorker:
         )
 
     # ---------------------------------------------------- colocated turns
+    @operation
     def offload(self) -> dict[str, int]:
         """Hand this rank's device memory to a colocated engine: ``bytes`` freed and ``resident_bytes``
         (device bytes the train state still holds: 0 when everything moved)."""
         return {"bytes": self.backend.offload(), "resident_bytes": self.backend.device_bytes()}
 
+    @operation
     def onload(self) -> dict[str, int]:
         """Take the device memory back (bit for bit) before training."""
         return {"bytes": self.backend.onload(), "resident_bytes": self.backend.device_bytes()}
 
     # ------------------------------------------------------------------ SFT
-    def sft_start(self, payload: dict[str, Any], *, open_train: Any, open_eval: Any = None) -> dict[str, Any]:
-        """Build this rank's SFT feed (``data.sft_feed``) over its dataset shards and move it to
-        ``payload["cursor"]``; ``payload`` holds the driver's ``RecordSource`` and ``records_per_rank``."""
+    @operation
+    def sft_start(self, source: Any, records_per_rank: int, cursor: dict[str, int]) -> dict[str, Any]:
+        """Build this rank's SFT feed (``data.sft_feed``) over its shards of datasets ``train`` and
+        ``eval`` and move it to ``cursor``; ``source`` is the driver's ``RecordSource``."""
         from unirl_ray.data.sft_feed import SFTFeed
 
         self.sft_feed = SFTFeed(
-            payload["source"], records_per_rank=int(payload["records_per_rank"]), bundle=self.bundle,
+            source, records_per_rank=int(records_per_rank), bundle=self.bundle,
             pipeline=self.pipeline, algorithm=self.algorithm, stack=self.stack, rank=self.topology.rank,
-            world_size=self.topology.world_size, open_train=open_train, open_eval=open_eval,
+            world_size=self.topology.world_size, open_train=self.open_shard("train"), open_eval=self.open_shard("eval"),
         )
-        self.sft_feed.seek(payload["cursor"])
+        self.sft_feed.seek(cursor)
         return {"cursor": self.sft_feed.cursor()}
 
+    @operation
     def sft_train(self, seeds: list[int]) -> list[dict[str, Any]]:
         """Collective: one SFT optimizer step per seed on records this rank pulls from its shard."""
         if getattr(self, "sft_feed", None) is None:
             raise RuntimeError("this rank has no SFT feed: sft_start must come first (did the worker group restart?)")
         return self.sft_feed.train(seeds)
 
+    @operation
     def sft_eval(self) -> dict[str, Any]:
         """Collective: this rank's summed held-out loss (one pass over the held-out records)."""
         if getattr(self, "sft_feed", None) is None:

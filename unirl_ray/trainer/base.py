@@ -25,7 +25,7 @@ from unirl_ray.config.recipe import RecipeError, flatten, instantiate, to_yaml, 
 from unirl_ray.runtime.cluster import RayConfig, check_cluster_fits, ensure_ray
 from unirl_ray.runtime.train_group import TrainGroup, WorkerGroupRestarted
 from unirl_ray.tracking import MLflowTracker, TrackingConfig
-from unirl_ray.tracking.mlflow_tracker import check_tracking_store
+from unirl_ray.tracking.mlflow_tracker import check_tracking_store, is_uri
 
 log = logging.getLogger(__name__)
 RECIPE_FILE = "unirl_recipe.yaml"  # in the run folder: the recipe the run was first written with
@@ -75,7 +75,7 @@ class RunConfig:
             raise ValueError(f"trainer.num_steps must be >= 1, got {self.num_steps}")
         if self.checkpoint_every < 1:
             raise ValueError(f"trainer.checkpoint_every must be >= 1, got {self.checkpoint_every}")
-        if "://" not in self.storage_path:
+        if not is_uri(self.storage_path):
             self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
         self._check_export_options()
 
@@ -94,7 +94,7 @@ class RunConfig:
         except ValueError as exc:
             raise ValueError(f"trainer.export_dir: {str(exc).split('; pass overwrite')[0]}. Set trainer.export_dir to an "
                              "empty or new folder (an earlier export of this project there is replaced)") from None
-        if "://" not in self.storage_path:
+        if not is_uri(self.storage_path):
             run_dir = os.path.join(self.storage_path, self.run_name)
             if os.path.commonpath([self.export_dir, run_dir]) == run_dir:
                 raise ValueError(f"trainer.export_dir={self.export_dir} is inside the run folder {run_dir}, which Ray "
@@ -207,7 +207,7 @@ class BaseTrainer(ABC):
     def _local_run_dir(self) -> str | None:
         """The run's folder when the storage is local (run files are not read from remote storage)."""
         cfg = self.run_cfg
-        return None if "://" in cfg.storage_path else os.path.join(cfg.storage_path, cfg.run_name)
+        return None if is_uri(cfg.storage_path) else os.path.join(cfg.storage_path, cfg.run_name)
 
     def _finished_steps(self) -> int | None:
         run_dir = self._local_run_dir()
@@ -470,7 +470,7 @@ class BaseTrainer(ABC):
             f"run {cfg.run_name!r} has no checkpoint under {cfg.storage_path} to export; train it first, "
             "or export while it runs (trainer.export_dir)"
         )
-        if "://" not in cfg.storage_path and not (
+        if not is_uri(cfg.storage_path) and not (
             os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))
         ):
             raise ValueError(no_checkpoint)

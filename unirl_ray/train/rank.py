@@ -1,6 +1,7 @@
-"""What a train rank holds: bundle, pipeline, backend, algorithm, stack and (trainside) rollout.
+"""What a train rank holds: one or more named sides, and the commands the controller sends it.
 
-Built once per worker from the recipe sections, in the seed's order::
+A **side** is bundle + pipeline and, when it trains, backend + algorithm + stack; optionally a trainside
+rollout. Each side is built once per worker from its recipe sections, in the seed's order::
 
     bundle    = build(bundle_cfg)
     pipeline  = build(pipeline_cfg, bundle=bundle)
@@ -9,15 +10,25 @@ Built once per worker from the recipe sections, in the seed's order::
     stack     = build(stack_cfg, fsdp_backend=backend, algorithm=algorithm)
     rollout   = build(rollout_cfg, pipeline=pipeline, backend=backend)   # trainside rollout
 
+A flat recipe (``bundle``, ``pipeline``, ... at the top) is one implicit side; its checkpoints, policy
+version and exports are what they always were. A recipe with ``sides: {ar: {...}, diffusion: {...}}``
+(the prompt enhancer's rewriter and image model) gets one side per entry, in that order on every rank,
+so the sides' collectives (FSDP, checkpoints) line up. A side without ``backend`` is rollout-only: no
+optimizer memory, nothing checkpointed, policy version 0. Every Part a named side generates carries
+the side's name (``Part.stage``) and its algorithm trains the Parts of that name only.
+
 Plain Python (no Ray): the worker loop in ``runtime.worker`` drives it, and tests and benchmarks
 can drive it directly in one process. Its commands are the methods marked ``@operation``
-(``runtime.operations``): the runtime dispatches ``TrainGroup.call(name, payload)`` to them by name.
+(``runtime.operations``): the runtime dispatches ``TrainGroup.call(name, payload)`` to them by name;
+commands that concern one side take ``side=`` (optional where the rank has one side).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,70 +44,181 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+IMPLICIT_SIDE = "policy"
+"""The name of a flat recipe's one side."""
+SIDE_SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack", "rollout")
+"""The sections a side is built from (``bundle`` and ``pipeline`` required)."""
 
-class StackWorker:
-    """One train rank's objects and the operations the controller asks of them."""
 
-    def __init__(self, sections: dict[str, Any], *, topology: TrainTopology, device: torch.device,
-                 open_shard: Callable[[str], Callable[[], Any] | None] | None = None) -> None:
-        """``open_shard(name)``: a function that starts a new epoch over this rank's shard of Ray Data
-        dataset ``name`` (None when the run has no such dataset); given by the worker program."""
-        self.topology = topology
-        self.device = device
-        self.open_shard = open_shard or (lambda name: None)
+class Side:
+    """One named side of a train rank (see the module docstring)."""
+
+    def __init__(self, name: str, sections: dict[str, Any], *, topology: TrainTopology, device: torch.device,
+                 stage: str | None) -> None:
+        self.check_sections(name, sections)
+        self.name, self.stage = name, stage
         self.bundle = instantiate(sections["bundle"])
         if hasattr(self.bundle, "to"):
             self.bundle.to(device)
         self.pipeline = instantiate(sections["pipeline"], bundle=self.bundle)
-        self.backend = instantiate(sections["backend"], bundle=self.bundle)
-        self.algorithm = instantiate(sections["algorithm"], pipeline=self.pipeline)
-        self.stack = instantiate(sections["stack"], fsdp_backend=self.backend, algorithm=self.algorithm)
-        self.backend.setup(topology=topology, device=device, needs_reference=self.algorithm.needs_reference)
+        self.backend = self.algorithm = self.stack = None
+        if sections.get("backend") is not None:
+            self.backend = instantiate(sections["backend"], bundle=self.bundle)
+            self.algorithm = instantiate(sections["algorithm"], pipeline=self.pipeline)
+            self.algorithm.stage = stage
+            self.stack = instantiate(sections["stack"], fsdp_backend=self.backend, algorithm=self.algorithm)
+            self.backend.setup(topology=topology, device=device, needs_reference=self.algorithm.needs_reference)
         self.rollout = None
         if sections.get("rollout") is not None:
-            self.rollout = instantiate(
-                sections["rollout"], pipeline=self.pipeline, backend=self.backend
-            )
-        self._cache: dict[str, Sample] = {}
+            self.rollout = instantiate(sections["rollout"], pipeline=self.pipeline, backend=self.backend)
+
+    @staticmethod
+    def check_sections(name: str, sections: dict[str, Any]) -> None:
+        """``ValueError`` naming the side when its sections cannot make a side."""
+        unknown = sorted(set(sections) - set(SIDE_SECTIONS))
+        if unknown:
+            raise ValueError(f"side {name!r}: unknown section(s) {', '.join(unknown)}; a side has {', '.join(SIDE_SECTIONS)}")
+        missing = [k for k in ("bundle", "pipeline") if sections.get(k) is None]
+        if missing:
+            raise ValueError(f"side {name!r} needs {' and '.join(missing)}")
+        trains = sections.get("backend") is not None
+        if not trains and any(sections.get(k) is not None for k in ("algorithm", "stack")):
+            raise ValueError(f"side {name!r} has an algorithm / stack but no backend: give it a backend to train it, "
+                             "or drop them to make it rollout-only")
+        if trains and any(sections.get(k) is None for k in ("algorithm", "stack")):
+            raise ValueError(f"side {name!r} has a backend: it needs an algorithm and a stack too")
+
+    @property
+    def trainable(self) -> bool:
+        return self.backend is not None
 
     @property
     def policy_version(self) -> int:
-        return self.stack.policy_version
+        return self.stack.policy_version if self.stack is not None else 0
+
+    def require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise ValueError(f"side {self.name!r} is rollout-only (no backend): it cannot {what}")
+
+
+class StackWorker:
+    """One train rank: its sides and the operations the controller asks of them."""
+
+    def __init__(self, sections: dict[str, Any], *, topology: TrainTopology, device: torch.device,
+                 open_shard: Callable[[str], Callable[[], Any] | None] | None = None) -> None:
+        """``sections``: a flat recipe's side sections, or ``{"sides": {name: side sections}}``.
+        ``open_shard(name)``: a function that starts a new epoch over this rank's shard of Ray Data
+        dataset ``name`` (None when the run has no such dataset); given by the worker program."""
+        self.topology = topology
+        self.device = device
+        self.open_shard = open_shard or (lambda name: None)
+        named = sections.get("sides")
+        self.implicit = named is None
+        if self.implicit:
+            specs = {IMPLICIT_SIDE: {k: v for k, v in sections.items() if k in SIDE_SECTIONS}}
+        else:
+            if not isinstance(named, dict) or not named:
+                raise ValueError("sides must map side names to their sections, e.g. sides: {ar: {...}, diffusion: {...}}")
+            extra = sorted(k for k in sections if k in SIDE_SECTIONS and sections[k] is not None)
+            if extra:
+                raise ValueError(f"a recipe with sides has no top-level {', '.join(extra)}: move them into a side")
+            specs = dict(named)
+        for name, spec in specs.items():  # every layout error before any model is built
+            Side.check_sections(name, spec)
+        if not any(spec.get("backend") is not None for spec in specs.values()):
+            raise ValueError(f"no side of this rank trains (sides {', '.join(specs)} have no backend): "
+                             "give at least one side a backend, algorithm and stack")
+        self.sides = {name: Side(name, spec, topology=topology, device=device, stage=None if self.implicit else name)
+                      for name, spec in specs.items()}
+        self._cache: dict[str, Sample] = {}
+
+    def side(self, name: str | None = None) -> Side:
+        """Side ``name``; without a name the rank's only side."""
+        if name is None:
+            if len(self.sides) == 1:
+                return next(iter(self.sides.values()))
+            raise ValueError(f"this rank holds sides {', '.join(self.sides)}: name one (side=...)")
+        if name not in self.sides:
+            raise ValueError(f"this rank has no side {name!r}; it holds {', '.join(self.sides)}")
+        return self.sides[name]
+
+    # the only side's objects (a flat recipe's), as the single-side trainers and tools use them
+    bundle = property(lambda self: self.side().bundle)
+    pipeline = property(lambda self: self.side().pipeline)
+    backend = property(lambda self: self.side().backend)
+    algorithm = property(lambda self: self.side().algorithm)
+    stack = property(lambda self: self.side().stack)
+    rollout = property(lambda self: self.side().rollout)
+
+    @property
+    def policy_version(self) -> int | dict[str, int]:
+        """The weights' version: an int for a flat recipe's side, else ``{side: version}``."""
+        if self.implicit:
+            return self.side().policy_version
+        return {name: side.policy_version for name, side in self.sides.items()}
+
+    def _trained_sides(self, name: str | None) -> list[Side]:
+        """Side ``name`` (which must train), or every side that trains, in the recipe's order."""
+        if name is not None:
+            side = self.side(name)
+            side.require_trainable("train, offload or save")
+            return [side]
+        return [side for side in self.sides.values() if side.trainable]
 
     # ------------------------------------------------------------------ ops
     @operation
-    def generate(self, requests: list[dict[str, Any]]) -> list[Sample]:
-        """Trainside rollout of this rank's requests; keeps full samples, returns light ones."""
-        if self.rollout is None:
-            raise ValueError("this recipe has no trainside rollout section (rollout: _target_: ...)")
-        samples = self.rollout.generate(requests, policy_version=self.policy_version)
-        self._cache = {s.sample_id: s for s in samples}
+    def generate(self, requests: list[dict[str, Any]], side: str | None = None) -> list[Sample]:
+        """Trainside rollout of this rank's requests on ``side``; keeps full samples (until ``train``),
+        returns light ones. A named side's Parts carry its name (``Part.stage``)."""
+        chosen = self.side(side)
+        if chosen.rollout is None:
+            where = "" if self.implicit else f" of side {chosen.name!r}"
+            raise ValueError(f"this recipe has no trainside rollout section{where} (rollout: _target_: ...)")
+        samples = chosen.rollout.generate(requests, policy_version=chosen.policy_version)
+        for sample in samples:
+            for part in sample.parts:
+                part.stage = chosen.stage
+        self._cache.update((s.sample_id, s) for s in samples)
         return [s.light() for s in samples]
 
     @operation
-    def eval_generate(self, requests: list[dict[str, Any]], use_ema: bool = False) -> list[Sample]:
-        """Collective: sample ``requests`` with the trained module, with its EMA weights when ``use_ema``
-        (``backend.ema_weights()`` swaps them back bit for bit); returns light samples (images kept)."""
+    def eval_generate(self, requests: list[dict[str, Any]], use_ema: bool = False, side: str | None = None) -> list[Sample]:
+        """Collective: sample ``requests`` with the trained module of ``side``, with its EMA weights when
+        ``use_ema`` (``backend.ema_weights()`` swaps them back bit for bit); returns light samples (images kept)."""
         import contextlib
 
         from unirl_ray.rollout.trainside import TrainsideRollout
 
-        rollout = TrainsideRollout(micro_batch_size=getattr(self.rollout, "micro_batch_size", 8),
-                                   sampling_policy="trainable", pipeline=self.pipeline, backend=self.backend)
-        with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
-            samples = rollout.generate(requests, policy_version=self.policy_version)
+        chosen = self.side(side)
+        rollout = TrainsideRollout(micro_batch_size=getattr(chosen.rollout, "micro_batch_size", 8),
+                                   sampling_policy="trainable", pipeline=chosen.pipeline, backend=chosen.backend)
+        ema = use_ema and chosen.backend is not None
+        with chosen.backend.ema_weights() if ema else contextlib.nullcontext():
+            samples = rollout.generate(requests, policy_version=chosen.policy_version)
         return [s.light() for s in samples]
 
     @operation
-    def train(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
-        """Train on this rank's shard; light samples are completed from the rollout cache."""
+    def train(self, samples: list[Sample], *, seed: int, side: str | None = None) -> dict[str, Any]:
+        """Train on this rank's shard (light samples are completed from the rollout cache): side ``side``,
+        or every side that trains, one after the other in the recipe's order (on every rank alike), each
+        on the Parts routed to it. A flat recipe's results are as they always were; with named sides the
+        metrics are ``<side>/...`` and versions and sample counts are ``{side: value}``."""
         shard = [self._complete(s) for s in samples]
-        result = self.stack.train(shard, seed=seed)
-        self._cache.clear()
+        sides = self._trained_sides(side)
+        results = {}
+        try:
+            for chosen in sides:
+                side_seed = seed if self.implicit else zlib.crc32(f"{seed}:{chosen.name}".encode())
+                results[chosen.name] = chosen.stack.train(shard, seed=side_seed)
+        finally:
+            self._cache.clear()
+        if self.implicit:
+            result = results[IMPLICIT_SIDE]
+            return {"metrics": result.metrics, "policy_version": result.policy_version, "num_samples": result.num_samples}
         return {
-            "metrics": result.metrics,
-            "policy_version": result.policy_version,
-            "num_samples": result.num_samples,
+            "metrics": {f"{name}/{key}": value for name, r in results.items() for key, value in r.metrics.items()},
+            "policy_version": {name: r.policy_version for name, r in results.items()},
+            "num_samples": {name: r.num_samples for name, r in results.items()},
         }
 
     def _complete(self, sample: Sample) -> Sample:
@@ -111,43 +233,51 @@ class StackWorker:
         return complete_sample(sample, cached)  # every score the driver set, the sample's and each Part's
 
     @operation
-    def export_weights(self) -> dict[str, Any]:
-        """Collective: the full trainable weights (LoRA adapters only with LoRA) on rank 0."""
+    def export_weights(self, side: str | None = None) -> dict[str, Any]:
+        """Collective: the full trainable weights of ``side`` (LoRA adapters only with LoRA) on rank 0."""
         from unirl_ray.rollout.weight_sync import state_checksum
 
-        state = self.backend.full_trainable_state_dict()
+        chosen = self.side(side)
+        chosen.require_trainable("export weights")
+        state = chosen.backend.full_trainable_state_dict()
         if self.topology.rank != 0:
             return {}
-        return {"state": state, "checksum": state_checksum(state), "policy_version": self.policy_version}
+        return {"state": state, "checksum": state_checksum(state), "policy_version": chosen.policy_version}
 
     @operation
-    def export(self, directory: str, merge_lora: bool = True, overwrite: bool = False) -> ExportInfo | None:
-        """Collective: write the trained model as a ``from_pretrained`` folder on rank 0 (``train.export``).
-
-        Returns the ``ExportInfo`` on rank 0, ``None`` on the other ranks.
+    def export(self, directory: str, merge_lora: bool = True, overwrite: bool = False,
+               side: str | None = None) -> ExportInfo | None:
+        """Collective: write the trained model of ``side`` as a ``from_pretrained`` folder on rank 0
+        (``train.export``). Returns the ``ExportInfo`` on rank 0, ``None`` on the other ranks.
         """
         from unirl_ray.train.export import export_model
 
+        chosen = self.side(side)
+        chosen.require_trainable("export a trained model")
         return export_model(
-            self.bundle,
-            self.backend,
+            chosen.bundle,
+            chosen.backend,
             directory,
             merge_lora=merge_lora,
             overwrite=overwrite,
-            policy_version=self.policy_version,
+            policy_version=chosen.policy_version,
         )
 
     # ---------------------------------------------------- colocated turns
     @operation
-    def offload(self) -> dict[str, int]:
-        """Hand this rank's device memory to a colocated engine: ``bytes`` freed and ``resident_bytes``
-        (device bytes the train state still holds: 0 when everything moved)."""
-        return {"bytes": self.backend.offload(), "resident_bytes": self.backend.device_bytes()}
+    def offload(self, side: str | None = None) -> dict[str, int]:
+        """Hand the device memory of ``side`` (default: every side that trains) to a colocated engine:
+        ``bytes`` freed and ``resident_bytes`` (device bytes the train state still holds: 0 when all moved)."""
+        sides = self._trained_sides(side)
+        freed = sum(chosen.backend.offload() for chosen in sides)
+        return {"bytes": freed, "resident_bytes": sum(chosen.backend.device_bytes() for chosen in sides)}
 
     @operation
-    def onload(self) -> dict[str, int]:
+    def onload(self, side: str | None = None) -> dict[str, int]:
         """Take the device memory back (bit for bit) before training."""
-        return {"bytes": self.backend.onload(), "resident_bytes": self.backend.device_bytes()}
+        sides = self._trained_sides(side)
+        moved = sum(chosen.backend.onload() for chosen in sides)
+        return {"bytes": moved, "resident_bytes": sum(chosen.backend.device_bytes() for chosen in sides)}
 
     # ------------------------------------------------------------------ SFT
     @operation
@@ -180,12 +310,30 @@ class StackWorker:
 
     # ----------------------------------------------------------- checkpoint
     def save(self, directory: str) -> dict[str, Any]:
+        """Collective: this rank's shards of every side that trains; returns the JSON-able state.
+
+        A flat recipe's side writes into ``directory`` itself (as always); named sides write into
+        ``directory/<side>/`` and the state is ``{"sides": {side: state}}``. Rollout-only sides write nothing.
+        """
         t0 = time.perf_counter()
-        meta = self.backend.save(directory)
-        meta["policy_version"] = self.stack.policy_version
+        metas = {}
+        for chosen in self._trained_sides(None):
+            meta = chosen.backend.save(directory if self.implicit else os.path.join(directory, chosen.name))
+            meta["policy_version"] = chosen.policy_version
+            metas[chosen.name] = meta
         log.debug("rank %d saved shards in %.2fs", self.topology.rank, time.perf_counter() - t0)
-        return meta
+        return metas[IMPLICIT_SIDE] if self.implicit else {"sides": metas}
 
     def load(self, directory: str, meta: dict[str, Any]) -> None:
-        self.backend.load(directory, meta)
-        self.stack.policy_version = int(meta["policy_version"])
+        """Collective: restore every side that trains from ``save``'s shards and state."""
+        trained = [chosen.name for chosen in self._trained_sides(None)]
+        saved = meta.get("sides")
+        if self.implicit != (saved is None) or (saved is not None and sorted(saved) != sorted(trained)):
+            have = "a single-side recipe" if saved is None else f"sides {', '.join(sorted(saved))}"
+            want = "a single-side recipe" if self.implicit else f"sides {', '.join(sorted(trained))}"
+            raise RuntimeError(f"the checkpoint in {directory} was written by {have}, but this recipe trains {want}: "
+                               "resume it with the recipe that wrote it, or start a new trainer.run_name")
+        for chosen in self._trained_sides(None):
+            state = meta if self.implicit else saved[chosen.name]
+            chosen.backend.load(directory if self.implicit else os.path.join(directory, chosen.name), state)
+            chosen.stack.policy_version = int(state["policy_version"])

@@ -50,3 +50,74 @@ class CreditAssignment:
                 "finite), so nothing was learned: the reward sources fail or time out (see the warnings above and "
                 "reward/invalid_frac, reward/<name>/* in MLflow). Fix the reward fn, or raise reward.timeout_s"
             )
+
+
+class LineageCredit(CreditAssignment):
+    """Credit along a Part's lineage: a prompt -> N rewrites -> M images per rewrite (the prompt enhancer).
+
+    Every sample is one image: its Parts are the rewrite it was drawn from (a ``TextPart`` of stage
+    ``text_stage``; the M images of one rewrite carry Parts with the same ``part_id``) and the image (a
+    ``DiffusionPart`` of stage ``image_stage``); ``group_id`` is the prompt. ``sample.reward`` is the image's
+    weighted reward. Then:
+
+    - each image Part's reward is its sample's; its advantage is group-relative over the images of its
+      rewrite (``image_group_scope: rewrite``, M per group) or of its prompt (``prompt``, N x M);
+    - each rewrite's reward is the ``rewrite_reward`` (``mean`` or ``max``) of its images' valid rewards,
+      and its advantage is group-relative over the N rewrites of its prompt; every copy of the rewrite
+      Part (one per image) gets those two values.
+
+    An invalid image reward (None / not finite) gives its image advantage 0 and stays out of its rewrite's
+    reward; a rewrite none of whose images has a valid reward gets reward None and advantage 0.
+    Metrics: ``credit/<text_stage>/...`` and ``credit/<image_stage>/...`` (``group_advantages``' metrics).
+    """
+
+    def __init__(self, *, text_stage: str = "ar", image_stage: str = "diffusion", rewrite_reward: str = "mean",
+                 image_group_scope: str = "rewrite", normalize_std: bool = True) -> None:
+        super().__init__(algorithm=None)
+        if rewrite_reward not in ("mean", "max"):
+            raise ValueError(f"rewrite_reward must be 'mean' or 'max', got {rewrite_reward!r}")
+        if image_group_scope not in ("rewrite", "prompt"):
+            raise ValueError(f"image_group_scope must be 'rewrite' or 'prompt', got {image_group_scope!r}")
+        self.text_stage, self.image_stage = text_stage, image_stage
+        self.rewrite_reward, self.image_group_scope, self.normalize_std = rewrite_reward, image_group_scope, normalize_std
+
+    def assign(self, samples: list[Sample]) -> dict[str, float]:
+        from unirl_ray.algorithms.advantages import group_advantages
+        from unirl_ray.core.sample import DiffusionPart, TextPart, routed_part
+
+        texts = [routed_part(s, TextPart, self.text_stage) for s in samples]
+        images = [routed_part(s, DiffusionPart, self.image_stage) for s in samples]
+        rewrite_of = []
+        for s, text in zip(samples, texts):
+            if text.part_id is None:
+                raise ValueError(f"the rewrite Part of sample {s.sample_id!r} has no part_id: the images of one "
+                                 "rewrite must share its id so that their rewards reach it")
+            rewrite_of.append((s.group_id, text.part_id))
+
+        rewards = [s.reward for s in samples]
+        scope = rewrite_of if self.image_group_scope == "rewrite" else [(g, "") for g, _ in rewrite_of]
+        image_adv, image_metrics = group_advantages(rewards, [f"{g}\x00{r}" for g, r in scope],
+                                                    normalize_std=self.normalize_std)
+        for s, part, adv in zip(samples, images, image_adv):
+            part.reward, part.advantage = s.reward, adv
+            s.advantage = None  # every Part has its own: nothing trains on a sample-level value
+
+        members: dict[tuple[str, str], list[float]] = {}
+        for key, r in zip(rewrite_of, rewards):
+            members.setdefault(key, [])
+            if r is not None and math.isfinite(r):
+                members[key].append(float(r))
+        keys = list(members)
+        pooled = [(max(v) if self.rewrite_reward == "max" else math.fsum(v) / len(v)) if v else None
+                  for v in members.values()]
+        rewrite_adv, rewrite_metrics = group_advantages(pooled, [g for g, _ in keys], normalize_std=self.normalize_std)
+        value = {key: (r, a) for key, r, a in zip(keys, pooled, rewrite_adv)}
+        for key, part in zip(rewrite_of, texts):
+            part.reward, part.advantage = value[key]
+        return {**_under(f"credit/{self.image_stage}", image_metrics), **_under(f"credit/{self.text_stage}", rewrite_metrics),
+                f"credit/{self.text_stage}/rewrites": float(len(keys))}
+
+
+def _under(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
+    """``algo/adv_mean`` -> ``<prefix>/adv_mean``."""
+    return {f"{prefix}/{key.split('/', 1)[1]}": value for key, value in metrics.items()}

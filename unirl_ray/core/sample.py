@@ -36,6 +36,9 @@ class Part:
     """The side / stage that produced this Part and trains it (e.g. ``"ar"`` and ``"diffusion"`` in a
     prompt-enhancer Sample); ``None`` in a single-side recipe. Algorithms take the Parts of their stage
     (``routed_part``), never "the first Part of a kind"."""
+    part_id: str | None = None
+    """Identity of this Part where several samples share it (the M images of one rewrite each carry a
+    copy of the rewrite Part with the same id); ``None`` when the Part is its sample's own."""
     reward: float | None = None
     """This Part's own reward, where credit assignment gives it one (a rewrite scored by its images);
     ``None`` means the sample's reward applies."""

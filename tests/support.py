@@ -79,7 +79,14 @@ def artifacts(trainer: Any, folder: str | None = None) -> list[str]:
     return [a.path for a in client.list_artifacts(trainer.tracker.run_id, folder)]
 
 
-# ------------------------------------------------------------------ driving a trainer by hand
+# ------------------------------------------------------------------ driving a rank or a trainer by hand
+def rollout_requests(prompt: str, n: int = 2, prefix: str = "s1") -> list[dict[str, Any]]:
+    """``n`` rollout requests of one group for ``prompt``, as a trainer sends them to a rank's ``generate``
+    (sample ids ``<prefix>-<i>``, seed ``i``, one group seed)."""
+    return [{"sample_id": f"{prefix}-{i}", "group_id": "g0", "prompt": prompt, "columns": {}, "seed": i,
+             "group_seed": 0} for i in range(n)]
+
+
 def drive(trainer: Any, steps: int, check: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """setup, ``steps`` steps (metrics logged to MLflow; ``check(step, metrics)`` after setup with step 0
     and after each step), teardown with the run's status; returns every step's metrics."""

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from omegaconf import OmegaConf
-from support import load, recipe_path
+from support import load, recipe_path, rollout_requests
 
 from unirl_ray.core.sample import Sample
 from unirl_ray.train.configs import TrainTopology
@@ -43,16 +43,11 @@ def build(sides):
     return StackWorker({"sides": sides}, topology=TrainTopology(), device=torch.device("cpu"))
 
 
-def requests(prefix):
-    return [{"sample_id": f"{prefix}-{i}", "group_id": "g0", "prompt": "a red cat", "columns": {}, "seed": i,
-             "group_seed": 0} for i in range(2)]
-
-
 def composed(rank):
     """Two prompt-enhancer style samples: [rewrite (side ar), image (side diffusion)], each Part with its
     own advantage and the sample with another one (which no Part here trains on)."""
-    rank.generate(requests("t"), side="ar")
-    rank.generate(requests("i"), side="diffusion")
+    rank.generate(rollout_requests("a red cat", prefix="t"), side="ar")
+    rank.generate(rollout_requests("a red cat", prefix="i"), side="diffusion")
     texts, images = [rank._cache[f"t-{i}"] for i in range(2)], [rank._cache[f"i-{i}"] for i in range(2)]
     rank._cache.clear()
     samples = []
@@ -107,7 +102,7 @@ def test_two_trained_sides_step_in_order_on_their_own_parts_and_restore_exactly(
     with pytest.raises(ValueError, match="holds sides ar, diffusion: name one"):
         rank.export_weights()
     with pytest.raises(ValueError, match="no side 'image'; it holds ar, diffusion"):
-        rank.generate(requests("x"), side="image")
+        rank.generate(rollout_requests("a red cat", prefix="x"), side="image")
     assert rank.export_weights(side="ar")["policy_version"] == 1
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from omegaconf import OmegaConf
-from support import load, recipe_path
+from support import load, recipe_path, rollout_requests
 
 from unirl_ray.algorithms.flow_grpo import diffusion_part
 from unirl_ray.algorithms.grpo import text_part
@@ -32,13 +32,8 @@ def worker(tmp_path_factory):
     return StackWorker(sections, topology=TrainTopology(), device=torch.device("cpu"))
 
 
-def requests(n: int) -> list[dict]:
-    return [{"sample_id": f"s1-{i}", "group_id": "g0", "prompt": "write a word", "columns": {}, "seed": i,
-             "group_seed": 0} for i in range(n)]
-
-
 def test_per_part_rewards_and_advantages_set_on_the_driver_reach_the_algorithm(worker):
-    light = worker.generate(requests(2))
+    light = worker.generate(rollout_requests("write a word"))
     assert all(s.is_light for s in light)
     for i, s in enumerate(light):  # what the driver's credit assignment sets
         s.rewards, s.reward, s.advantage = {"r": 0.5 + i}, 0.5 + i, 0.25

@@ -8,6 +8,7 @@ methods to its rank class and never touches ``runtime/``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,13 +22,15 @@ def operation(fn: F) -> F:
     return fn
 
 
+@functools.cache
+def _served(cls: type) -> tuple[str, ...]:
+    """The names of the marked methods of ``cls`` (looked up once per class, not per command)."""
+    return tuple(name for name in dir(cls) if getattr(getattr(cls, name, None), _MARK, False))
+
+
 def operations(rank: Any) -> dict[str, Callable[..., Any]]:
     """``{name: bound method}`` of the commands ``rank`` serves."""
-    out = {}
-    for name in dir(type(rank)):
-        if getattr(getattr(type(rank), name, None), _MARK, False):
-            out[name] = getattr(rank, name)
-    return out
+    return {name: getattr(rank, name) for name in _served(type(rank))}
 
 
 def dispatch(rank: Any, op: str, payload: dict[str, Any] | None) -> Any:

@@ -30,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,11 +165,10 @@ def seed_sqlite_store(tracking_uri: str) -> bool:
             os.replace(building, template)
         partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
         shutil.copyfile(template, partial)
-        with sqlite3.connect(partial) as db:  # the default experiment as MLflow makes it: here, now
+        with closing(sqlite3.connect(partial)) as db, db:  # the default experiment as MLflow makes it: here, now
             now = int(time.time() * 1000)
             db.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
                        "WHERE experiment_id = 0", (str(Path.cwd() / "mlruns" / "0"), now, now))
-        db.close()
         try:
             os.link(partial, target)  # fails if another process made the store meanwhile: keep theirs
         except FileExistsError:

@@ -124,9 +124,9 @@ class BaseTrainer(ABC):
 
     domain = "base"
     worker_sections: tuple[str, ...] = ()
+    """Recipe sections the train workers build (bundle, pipeline, backend, ...)."""
     rank_class: str | None = None
     """Dotted path of the rank object the train workers build (None: ``train.rank.StackWorker``)."""
-    """Recipe sections the train workers build (bundle, pipeline, backend, ...)."""
     driver_sections: tuple[str, ...] = ("trainer", "ray", "tracking")
 
     def __init__(self, recipe: DictConfig, *, allowed_target_prefixes: list[str] | None = None) -> None:

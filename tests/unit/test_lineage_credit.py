@@ -58,9 +58,9 @@ def test_max_pooling_prompt_scope_std_normalisation_and_bad_input():
 
     with pytest.raises(ValueError, match="rewrite Part of sample 'g0-r0-i0' has no part_id"):
         LineageCredit().assign(samples([[1.0, 2.0]], ids=False))
-    with pytest.raises(ValueError, match="rewrite_reward must be 'mean' or 'max'"):
+    with pytest.raises(ValueError, match="rewrite_reward must be one of 'mean' or 'max'"):
         LineageCredit(rewrite_reward="sum")
-    with pytest.raises(ValueError, match="image_group_scope must be 'rewrite' or 'prompt'"):
+    with pytest.raises(ValueError, match="image_group_scope must be one of 'rewrite' or 'prompt'"):
         LineageCredit(image_group_scope="batch")
     with pytest.raises(ValueError, match="no DiffusionPart of stage 'image'"):
         LineageCredit(image_stage="image").assign(samples([[1.0, 2.0]]))

@@ -64,6 +64,20 @@ def test_configs_only_folders_pass_the_real_recipes_checks(tmp_path, monkeypatch
         monkeypatch.setenv("PRETRAINED_MODEL", folders[family])
         trainer = trainer_cls(load_recipe(os.path.join(ROOT, "recipes", "diffusion", recipe)))
         assert not trainer.is_demo()
+    # the prompt enhancer's real recipe: a Qwen2.5 rewriter folder, SD3.5 Medium, a CLIP folder
+    from unirl_ray.trainer.pe import PETrainer
+
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    monkeypatch.setenv("PRETRAINED_MODEL", folders["sd3.5-medium"])
+    monkeypatch.setenv("PRETRAINED_LLM", str(tmp_path / "llm"))
+    monkeypatch.setenv("CLIP_MODEL", str(tmp_path / "clip"))
+    pe = PETrainer(load_recipe(os.path.join(ROOT, "recipes", "pe", "qwen2_5", "qwen0_5b_sd3_5_medium.yaml")))
+    assert not pe.is_demo() and pe.trained_sides == ["ar", "diffusion"]
+    assert (pe.rewrites_per_prompt, pe.images_per_rewrite) == (4, 4) and "lora_cfg" in pe.backend_cfgs["diffusion"]
+    with pytest.raises(RecipeError, match="diffusion.pipeline.height=520 must be a positive multiple of 16"):
+        PETrainer(load_recipe(os.path.join(ROOT, "recipes", "pe", "qwen2_5", "qwen0_5b_sd3_5_medium.yaml"),
+                              ["diffusion.pipeline.height=520"]))
     # the checks really read the folder: a resolution the SD3.5 VAE x patch size cannot tile is refused
     monkeypatch.setenv("PRETRAINED_MODEL", folders["sd3.5-medium"])
     with pytest.raises(RecipeError, match="multiple of 16"):

@@ -16,7 +16,7 @@ a usable reward (sources that fail or time out under ``reward.on_error: skip``) 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from unirl_ray.core.sample import Sample
 
@@ -71,13 +71,13 @@ class LineageCredit(CreditAssignment):
     Metrics: ``credit/<text_stage>/...`` and ``credit/<image_stage>/...`` (``group_advantages``' metrics).
     """
 
-    def __init__(self, *, text_stage: str = "ar", image_stage: str = "diffusion", rewrite_reward: str = "mean",
-                 image_group_scope: str = "rewrite", normalize_std: bool = True) -> None:
+    def __init__(self, *, text_stage: str = "ar", image_stage: str = "diffusion",
+                 rewrite_reward: Literal["mean", "max"] = "mean", image_group_scope: Literal["rewrite", "prompt"] = "rewrite",
+                 normalize_std: bool = True) -> None:
+        from unirl_ray.config.checks import check_literal_args
+
+        check_literal_args(LineageCredit.__init__, None, locals())
         super().__init__(algorithm=None)
-        if rewrite_reward not in ("mean", "max"):
-            raise ValueError(f"rewrite_reward must be 'mean' or 'max', got {rewrite_reward!r}")
-        if image_group_scope not in ("rewrite", "prompt"):
-            raise ValueError(f"image_group_scope must be 'rewrite' or 'prompt', got {image_group_scope!r}")
         self.text_stage, self.image_stage = text_stage, image_stage
         self.rewrite_reward, self.image_group_scope, self.normalize_std = rewrite_reward, image_group_scope, normalize_std
 

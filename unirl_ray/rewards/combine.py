@@ -193,6 +193,10 @@ class RewardConfig:
     """Resources of each replica (fractional CPUs avoid deadlocks next to Train workers on small machines)."""
     max_ongoing_requests: int = 16
     """Concurrent requests one replica accepts."""
+    image_prompt: Literal["original", "rewrite"] = "original"
+    """Prompt-enhancer runs: the prompt reward fns get as ``prompts``: the user's ``original`` prompt (so a
+    rewriter cannot win by drifting from it) or the ``rewrite`` the image was drawn from. Both are also in
+    the columns ``original_prompt`` and ``rewrite``. Other trainers have one prompt and keep the default."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rewards, Mapping) or not self.rewards:

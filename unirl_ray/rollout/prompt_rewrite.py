@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from unirl_ray.config.checks import PositiveInt
+from unirl_ray.config.checks import PositiveInt, check_literal_fields
 
 _QUOTES = {'"': '"', "'": "'", "`": "`", "\u201c": "\u201d", "\u2018": "\u2019", "\u00ab": "\u00bb"}
 
@@ -51,3 +51,37 @@ class RewriteFormat:
         if not body:
             return original, True
         return body, False
+
+
+DEFAULT_INSTRUCTION = (
+    "Rewrite the image prompt below into a detailed prompt for a text-to-image model: keep its subject and "
+    "intent, add visual detail (composition, lighting, style). Answer with the rewrite only, after "
+    "'Revised Prompt:'.\n\nPrompt: {prompt}"
+)
+
+
+@dataclass(kw_only=True)
+class RewriteRollout(RewriteFormat):
+    """The prompt enhancer's composed rollout (the ``rollout:`` block of a PE recipe): how the rewriter is
+    asked (``instruction``) and how its answer is cut into the prompt the image model draws (the
+    ``RewriteFormat`` fields). How many rewrites per prompt and images per rewrite: the ``group_size`` of
+    the ``ar`` and ``diffusion`` sides' algorithms."""
+
+    instruction: str = DEFAULT_INSTRUCTION
+    """What the rewriter is given (through its chat template when the pipeline uses one); ``{prompt}``
+    stands for the user's prompt."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.instruction, str) or "{prompt}" not in self.instruction:
+            raise ValueError("rollout.instruction must contain '{prompt}' (where the user's prompt goes), got "
+                             f"{self.instruction!r}")
+        try:
+            self.instruction.format(prompt="")
+        except (IndexError, KeyError, ValueError) as exc:
+            raise ValueError(f"rollout.instruction is not a format string with only {{prompt}} in it ({exc}); "
+                             "write literal braces as {{ and }}") from None
+        check_literal_fields(self, "rollout")
+
+    def ask(self, prompt: str) -> str:
+        """The rewriter's input for the user's ``prompt``."""
+        return self.instruction.format(prompt=prompt)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unirl_ray.config.recipe import instantiate
-from unirl_ray.core.sample import Sample, complete_sample
+from unirl_ray.core.sample import Sample, complete_sample, part_advantage
 from unirl_ray.runtime.operations import operation
 from unirl_ray.train.configs import TrainTopology
 
@@ -198,18 +198,36 @@ class StackWorker:
         return [s.light() for s in samples]
 
     @operation
-    def train(self, samples: list[Sample], *, seed: int, side: str | None = None) -> dict[str, Any]:
+    def train(self, samples: list[Sample] | dict[str, list[Sample]], *, seed: int,
+              side: str | None = None) -> dict[str, Any]:
         """Train on this rank's shard (light samples are completed from the rollout cache): side ``side``,
         or every side that trains, one after the other in the recipe's order (on every rank alike), each
-        on the Parts routed to it. A flat recipe's results are as they always were; with named sides the
-        metrics are ``<side>/...`` and versions and sample counts are ``{side: value}``."""
-        shard = [self._complete(s) for s in samples]
+        on the Parts routed to it. ``samples`` is one shard for every side, or (named sides) ``{side: shard}``
+        when the driver routes each side its own samples (the prompt enhancer: one Sample per rewrite for
+        the rewriter, one per image for the image model). A flat recipe's results are as they always were;
+        with named sides the metrics are ``<side>/...``, versions and sample counts are ``{side: value}``
+        and ``advantages`` is ``{side: [the advantage each trained Part got, in shard order]}`` (the driver
+        checks them against the ones it assigned)."""
         sides = self._trained_sides(side)
-        results = {}
+        if isinstance(samples, dict):
+            if self.implicit:
+                raise ValueError("samples routed per side ({side: shard}) need a recipe with named sides")
+            trained = [chosen.name for chosen in sides]
+            if sorted(samples) != sorted(trained):
+                raise ValueError(f"samples are routed to sides {', '.join(sorted(samples)) or '(none)'}, but this "
+                                 f"step trains sides {', '.join(trained)}: route one shard to each")
+            shards = {name: [self._complete(s) for s in shard] for name, shard in samples.items()}
+        else:
+            shard = [self._complete(s) for s in samples]
+            shards = {chosen.name: shard for chosen in sides}
+        results, advantages = {}, {}
         try:
             for chosen in sides:
                 side_seed = seed if self.implicit else zlib.crc32(f"{seed}:{chosen.name}".encode())
-                results[chosen.name] = chosen.stack.train(shard, seed=side_seed)
+                mine = shards[chosen.name]
+                if not self.implicit:
+                    advantages[chosen.name] = [part_advantage(s, chosen.algorithm.part_of(s)) for s in mine]
+                results[chosen.name] = chosen.stack.train(mine, seed=side_seed)
         finally:
             self._cache.clear()
         if self.implicit:
@@ -219,6 +237,7 @@ class StackWorker:
             "metrics": {f"{name}/{key}": value for name, r in results.items() for key, value in r.metrics.items()},
             "policy_version": {name: r.policy_version for name, r in results.items()},
             "num_samples": {name: r.num_samples for name, r in results.items()},
+            "advantages": advantages,
         }
 
     def _complete(self, sample: Sample) -> Sample:

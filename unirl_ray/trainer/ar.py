@@ -38,6 +38,8 @@ def _num_tokens(sample: Sample) -> int:
 
 
 class ARTrainer(RLTrainer):
+    """RL for causal LMs: ``RLTrainer``'s step, plus response-length and token-rate metrics and sample tables."""
+
     domain = "ar"
 
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:

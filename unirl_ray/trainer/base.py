@@ -354,10 +354,16 @@ class BaseTrainer(ABC):
     def start_services(self) -> None:
         """Deploy Serve apps (rewards, engines) before the workers start."""
 
+    def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:
+        """What every train rank builds its rank object from: the ``worker_sections`` of the recipe (a
+        trainer with named sides returns ``{"sides": {name: sections}}``); without the rollout when
+        ``rollout`` is false (a dedicated engine rolls out, or an export that generates nothing)."""
+        return {name: OmegaConf.to_container(self.recipe[name], resolve=True) for name in self.worker_sections
+                if self.recipe.get(name) is not None and (rollout or name != "rollout")}
+
     def start_workers(self) -> dict[str, Any]:
-        sections = {name: OmegaConf.to_container(self.recipe[name], resolve=True) for name in self.worker_sections if self.recipe.get(name) is not None}
         self.group = TrainGroup(
-            sections=sections,
+            sections=self.rank_sections(),
             ray_cfg=self.ray_cfg,
             run_name=self.run_cfg.run_name,
             storage_path=self.run_cfg.storage_path,
@@ -421,6 +427,7 @@ class BaseTrainer(ABC):
         merge_lora: bool = True,
         register_model_name: str | None = None,
         overwrite: bool = False,
+        side: str | None = None,
     ) -> str:
         """Write the trained model as a ``from_pretrained`` folder; returns its absolute path.
 
@@ -431,6 +438,8 @@ class BaseTrainer(ABC):
         cluster use a shared path. With LoRA, ``merge_lora=False`` writes the base weights plus the
         adapter in PEFT format under ``lora_adapter/``. ``register_model_name`` logs the folder to
         the run's MLflow logged models and registers it as a new version of that registered model.
+        ``side`` names the side to export where the ranks hold several (the prompt enhancer's ``ar`` and
+        ``diffusion``).
         """
         from unirl_ray.train.export import check_export_dir, register_exported_model
 
@@ -441,6 +450,8 @@ class BaseTrainer(ABC):
             if not self.tracking_cfg.enabled:
                 raise ValueError("register_model_name needs MLflow tracking: set tracking.enabled=true")
         payload = {"directory": path, "merge_lora": bool(merge_lora), "overwrite": bool(overwrite)}
+        if side is not None:  # a trainer with named sides exports one side's model at a time
+            payload["side"] = side
         t0 = time.perf_counter()
         if self._group_running():
             info, run_id = self.group.call("export", payload)[0], self.tracker.run_id
@@ -476,13 +487,8 @@ class BaseTrainer(ABC):
             raise ValueError(no_checkpoint)
         console(f"export: starting the train workers from the latest checkpoint of {cfg.run_name}")
         ensure_ray(self.ray_cfg)
-        sections = {  # the model, not the rollout: exporting generates nothing
-            name: OmegaConf.to_container(self.recipe[name], resolve=True)
-            for name in self.worker_sections
-            if name != "rollout" and self.recipe.get(name) is not None
-        }
-        group = TrainGroup(
-            sections=sections, ray_cfg=self.ray_cfg, run_name=cfg.run_name, storage_path=cfg.storage_path, seed=cfg.seed,
+        group = TrainGroup(  # the model, not the rollout: exporting generates nothing
+            sections=self.rank_sections(rollout=False), ray_cfg=self.ray_cfg, run_name=cfg.run_name, storage_path=cfg.storage_path, seed=cfg.seed,
             rank_class=self.rank_class,
         )
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from unirl_ray.config.recipe import RecipeError
 from unirl_ray.core.sample import Sample
@@ -32,26 +33,31 @@ class DiffusionRunConfig(RLRunConfig):
     """The ``trainer:`` block of a diffusion recipe."""
 
 
+def check_image_size(bundle_cfg: Any, pipeline: Any, where: str = "pipeline") -> None:
+    """``RecipeError`` when the pipeline's height / width (and a video's frames) do not fit the model's
+    latent factor (VAE scale x patch size) and time factor; ``bundle_cfg`` is the family config or None."""
+    factor = bundle_cfg.latent_factor() if hasattr(bundle_cfg, "latent_factor") else 1
+    for name in ("height", "width"):
+        value = pipeline.get(name)
+        if value is not None and (int(value) <= 0 or int(value) % factor):
+            raise RecipeError(
+                f"{where}.{name}={value} must be a positive multiple of {factor} "
+                "(VAE scale factor x transformer patch size of this model)"
+            )
+    if hasattr(bundle_cfg, "validate_video"):  # video families: frames must fit the VAE's time factor
+        try:
+            bundle_cfg.validate_video(int(pipeline.num_frames), int(pipeline.height), int(pipeline.width))
+        except ValueError as exc:
+            raise RecipeError(f"{where}: {exc}") from None
+
+
 class DiffusionTrainer(RLTrainer):
     """RL for diffusion / flow image models: ``RLTrainer``'s step, plus image checks, metrics and grids."""
 
     domain = "diffusion"
 
     def validate_model(self) -> None:
-        factor = self.bundle_cfg.latent_factor() if hasattr(self.bundle_cfg, "latent_factor") else 1
-        for name in ("height", "width"):
-            value = self.recipe.pipeline.get(name)
-            if value is not None and (int(value) <= 0 or int(value) % factor):
-                raise RecipeError(
-                    f"pipeline.{name}={value} must be a positive multiple of {factor} "
-                    "(VAE scale factor x transformer patch size of this model)"
-                )
-        if hasattr(self.bundle_cfg, "validate_video"):  # video families: frames must fit the VAE's time factor
-            p = self.recipe.pipeline
-            try:
-                self.bundle_cfg.validate_video(int(p.num_frames), int(p.height), int(p.width))
-            except ValueError as exc:
-                raise RecipeError(f"pipeline: {exc}") from None
+        check_image_size(self.bundle_cfg, self.recipe.pipeline)
         if self.dedicated is not None and "ema_lora_cfg" in self.backend_cfgs:
             log.warning("rollout: DedicatedRollout with backend.ema_lora_cfg: the engine samples with the trained "
                         "adapter, not the EMA shadow adapter (DiffusionNFT's old policy in the trainside layout)")

@@ -90,26 +90,14 @@ class RLTrainer(BaseTrainer):
             self.reward_cfg.check_learnable()
         except ValueError as exc:
             raise RecipeError(str(exc)) from None
+        if self.reward_cfg.image_prompt != "original":
+            raise RecipeError(f"reward.image_prompt={self.reward_cfg.image_prompt!r} is for prompt-enhancer recipes "
+                              f"(an image drawn from a rewrite); a {self.domain} recipe has one prompt per sample: drop it")
         self.algorithm = self._build("algorithm")  # driver copy: advantages only (no pipeline)
         self.group_size = int(getattr(self.algorithm, "group_size", 1))
         stack = self._build("stack")
         self.bundle_cfg = instantiate(recipe.bundle.config) if "config" in recipe.bundle else None
-        self.backend_cfgs = {
-            name: instantiate(recipe.backend[name])
-            for name in ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg", "ema_lora_cfg", "ema_full_cfg")
-            if recipe.backend.get(name) is not None
-        }
-        if getattr(self.algorithm, "needs_shadow_policy", False) and "ema_lora_cfg" not in self.backend_cfgs:
-            raise RecipeError(f"algorithm {type(self.algorithm).__name__} trains against the EMA shadow adapter (its old "
-                              "policy): set backend.ema_lora_cfg (_target_: unirl_ray.train.configs.EmaLoraConfig)")
-        if "lora_cfg" in self.backend_cfgs and "ema_lora_cfg" in self.backend_cfgs:
-            raise RecipeError("backend.lora_cfg and backend.ema_lora_cfg are both set: EmaLoraConfig already injects "
-                              "the LoRA adapters (plus their EMA shadow); keep only ema_lora_cfg")
-        if "fsdp_cfg" in self.backend_cfgs:
-            try:
-                self.backend_cfgs["fsdp_cfg"].mesh_shape(self.ray_cfg.num_workers)
-            except ValueError as exc:
-                raise RecipeError(f"backend.fsdp_cfg: {exc}") from None
+        self.backend_cfgs = backend_configs(recipe.backend, self.algorithm, self.ray_cfg.num_workers)
         self.dedicated = self._dedicated_rollout()
         self.sync = self._build("sync") if recipe.get("sync") is not None else None
         if self.dedicated is not None and self.sync is None:
@@ -221,9 +209,10 @@ class RLTrainer(BaseTrainer):
             return {"_target_": "unirl_ray.train.configs.LoraConfig", **dataclasses.asdict(ema_lora.lora())}
         return None
 
+    def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:
+        return super().rank_sections(rollout=rollout and self.dedicated is None)  # an engine rolls out: ranks only train
+
     def start_workers(self) -> dict[str, Any]:
-        if self.dedicated is not None:  # the engine rolls out; the workers only train
-            self.worker_sections = tuple(s for s in self.worker_sections if s != "rollout")
         announced = super().start_workers()
         self.policy_version = int(announced.get("policy_version", 0))
         self._await_reward()
@@ -416,6 +405,27 @@ class RLTrainer(BaseTrainer):
 
     def log_eval(self, step: int, samples: list[Sample]) -> None:
         """Log media or text of an evaluation's samples (under ``eval``)."""
+
+
+BACKEND_CONFIGS = ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg", "ema_lora_cfg", "ema_full_cfg")
+
+
+def backend_configs(backend: Any, algorithm: Any, num_workers: int, where: str = "backend") -> dict[str, Any]:
+    """The backend section's configs, built on the driver (``{name: config}`` of those set), checked against
+    the algorithm and the worker count; ``RecipeError`` naming ``where`` when they do not fit together."""
+    cfgs = {name: instantiate(backend[name]) for name in BACKEND_CONFIGS if backend.get(name) is not None}
+    if getattr(algorithm, "needs_shadow_policy", False) and "ema_lora_cfg" not in cfgs:
+        raise RecipeError(f"algorithm {type(algorithm).__name__} trains against the EMA shadow adapter (its old "
+                          f"policy): set {where}.ema_lora_cfg (_target_: unirl_ray.train.configs.EmaLoraConfig)")
+    if "lora_cfg" in cfgs and "ema_lora_cfg" in cfgs:
+        raise RecipeError(f"{where}.lora_cfg and {where}.ema_lora_cfg are both set: EmaLoraConfig already injects "
+                          "the LoRA adapters (plus their EMA shadow); keep only ema_lora_cfg")
+    if "fsdp_cfg" in cfgs:
+        try:
+            cfgs["fsdp_cfg"].mesh_shape(num_workers)
+        except ValueError as exc:
+            raise RecipeError(f"{where}.fsdp_cfg: {exc}") from None
+    return cfgs
 
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:

@@ -1,0 +1,125 @@
+"""End to end on CPU: the prompt enhancer (a tiny LM rewrites, a tiny SD3 draws) on 2 Ray Train workers that
+hold both sides, a Serve reward app, Ray Data prompts, MLflow.
+
+One straight run with both sides trained serves most assertions: 14 steps, a checkpoint every 7, rank 1
+SIGKILLed while step 9 trains (Ray Train restarts the worker group, the workers load the step-7
+checkpoint of both sides, steps 8 and 9 run again: step 8 with the same numbers). A second run trains to step 2,
+stops, and resumes to step 4: its steps 3 and 4 equal the straight run's. Then each frozen mode learns on
+its own: ``freeze_llm`` (only the image model; image reward only, advantages over all images of a
+prompt) and ``freeze_diffusion`` (only the rewriter; a rewrite scored by its best image).
+
+On every step the driver checks that the ranks trained each Part on the advantage it assigned
+(``pe/advantages_checked`` counts them); the ratio is 1 at the start of each side's step (``logp_gap``).
+"""
+
+import os
+
+import numpy as np
+import pytest
+from support import artifacts, attempts, fit, kill_rank, logged, make, recipe_path
+
+from unirl_ray.trainer.pe import PETrainer
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+
+RECIPE = recipe_path("pe", "tiny", "pe_tiny.yaml")
+STEPS, CHECKPOINT, KILL_AT = 14, 7, 9
+COMMON = (f"trainer.checkpoint_every={CHECKPOINT}", "ray.scaling.num_workers=2")
+PER_STEP = 2 * 8 + 2 * 8 * 2  # prompts x rewrites (ar Parts) + prompts x rewrites x images (diffusion Parts)
+
+
+def assert_rises(trainer, spreads=3.0):
+    """The reward of the last 3 steps is several within-step spreads above that of the first 3."""
+    rewards, stds = logged(trainer, "reward/mean"), logged(trainer, "reward/std")
+    steps = sorted(rewards)
+    first, last = np.mean([rewards[s] for s in steps[:3]]), np.mean([rewards[s] for s in steps[-3:]])
+    spread = np.mean([stds[s] for s in steps[:3]])
+    assert last - first > spreads * spread, (first, last, spread, [rewards[s] for s in steps])
+
+
+def checkpoint_sides(storage, name, step):
+    return sorted(os.listdir(os.path.join(storage, name, f"checkpoint_{step:06d}", "shards")))
+
+
+@pytest.fixture(scope="module")
+def straight(ray_local, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("pe")
+    trainer = make(PETrainer, RECIPE, storage, "pe-straight", f"trainer.num_steps={STEPS}", *COMMON,
+                   "tracking.log_samples_every=7", "++ray.max_failures=1", f"+trainer.export_dir={storage / 'export'}",
+                   experiment="e2e-pe")
+    pids, original = [], trainer.train
+
+    def train(samples, *, seed):
+        if trainer.prompt_log[-1][0] == KILL_AT and not pids:  # step 9's samples are out, its training starts
+            pids.append(kill_rank(trainer, 1))
+        return original(samples, seed=seed)
+
+    trainer.train = train
+    trainer.fit()
+    return trainer, storage, pids
+
+
+def test_both_sides_learn_and_a_killed_worker_is_replayed_exactly(straight):
+    trainer, storage, pids = straight
+    assert pids and trainer.restarts == 1 and trainer.policy_version == {"ar": STEPS, "diffusion": STEPS}
+    assert_rises(trainer)
+    for key in ("reward/brightness/mean", "reward/length/mean"):  # each side moved its own reward
+        values = logged(trainer, key)
+        assert np.mean([values[s] for s in (12, 13, 14)]) > np.mean([values[s] for s in (1, 2, 3)]), key
+    for key in ("reward/mean", "ar/train/loss", "diffusion/train/loss", "ar/train/grad_norm", "diffusion/train/grad_norm"):
+        values = attempts(trainer, key)
+        assert sorted(values) == list(range(1, STEPS + 1)), key
+        # step 8 ran again from the step-7 checkpoint of both sides with the same numbers; step 9 (killed
+        # before its metrics were logged) and every other step were logged once
+        assert len(values[8]) == 2 and values[8][0] == pytest.approx(values[8][1], rel=1e-6, abs=1e-9), key
+        assert all(len(v) == 1 for step, v in values.items() if step != 8), key
+    assert attempts(trainer, "fault/worker_group_restarts") == {CHECKPOINT: [1.0]}  # rewound to the step-7 checkpoint
+    checked = logged(trainer, "pe/advantages_checked")
+    assert sorted(checked) == list(range(1, STEPS + 1)) and set(checked.values()) == {float(PER_STEP)}
+    for side in ("ar", "diffusion"):  # on-policy trainside rollout: the ratio is 1 at the start of each step
+        assert max(logged(trainer, f"{side}/rollout/logp_gap").values()) < 1e-4, side
+        assert logged(trainer, f"{side}/train/policy_version")[STEPS] == STEPS
+    assert 0.0 <= min(logged(trainer, "pe/fallback_frac").values()) <= max(logged(trainer, "pe/fallback_frac").values()) < 0.5
+    assert checkpoint_sides(storage, "pe-straight", STEPS) == ["ar", "diffusion"]
+    tables = artifacts(trainer, "samples")
+    assert any(a.endswith("step_000007.json") for a in tables), tables
+    assert any("images" in a or "samples" in a for a in artifacts(trainer)), artifacts(trainer)
+    for side, marker in (("ar", "config.json"), ("diffusion", "model_index.json")):  # one model folder per side
+        assert marker in os.listdir(storage / "export" / side), side
+
+
+def test_resume_continues_both_sides_exactly(straight, tmp_path):
+    trainer, _, _ = straight
+    fit(PETrainer, RECIPE, tmp_path, "pe-straight", "trainer.num_steps=2", *COMMON, "tracking.log_samples_every=0",
+        experiment="e2e-pe-resume")
+    resumed = fit(PETrainer, RECIPE, tmp_path, "pe-straight", "trainer.num_steps=4", *COMMON,
+                  "tracking.log_samples_every=0", experiment="e2e-pe-resume")
+    assert [s for s, _ in resumed.prompt_log] == [3, 4]
+    assert resumed.prompt_log == trainer.prompt_log[2:4]  # the data cursor continued
+    for key in ("reward/mean", "ar/train/loss", "diffusion/train/loss", "ar/train/grad_norm", "diffusion/train/grad_norm"):
+        got, want = logged(resumed, key), logged(trainer, key)
+        assert sorted(got) == [1, 2, 3, 4], key  # one MLflow run, continued
+        for step in (3, 4):
+            assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), (key, step)
+
+
+def test_freeze_llm_trains_only_the_image_model(ray_local, tmp_path):
+    trainer = fit(PETrainer, RECIPE, tmp_path, "pe-freeze-llm", "trainer.num_steps=8", *COMMON, "trainer.freeze_llm=true",
+                  "reward.rewards.length.weight=0", "trainer.diffusion_group_scope=prompt", "tracking.log_samples_every=0",
+                  experiment="e2e-pe")
+    assert_rises(trainer)
+    assert trainer.policy_version == {"ar": 0, "diffusion": 8}
+    assert not logged(trainer, "ar/train/loss") and logged(trainer, "diffusion/train/loss")
+    assert set(logged(trainer, "pe/advantages_checked").values()) == {float(2 * 8 * 2)}
+    assert checkpoint_sides(tmp_path, "pe-freeze-llm", 8) == ["diffusion"]  # a rollout-only side saves nothing
+
+
+def test_freeze_diffusion_trains_only_the_rewriter(ray_local, tmp_path):
+    trainer = fit(PETrainer, RECIPE, tmp_path, "pe-freeze-diffusion", f"trainer.num_steps={STEPS}", *COMMON,
+                  "trainer.freeze_diffusion=true", "trainer.rewrite_reward=max", "tracking.log_samples_every=0",
+                  experiment="e2e-pe")
+    assert_rises(trainer)
+    assert trainer.policy_version == {"ar": STEPS, "diffusion": 0}
+    assert not logged(trainer, "diffusion/train/loss") and logged(trainer, "ar/train/loss")
+    assert set(logged(trainer, "pe/advantages_checked").values()) == {float(2 * 8)}
+    assert checkpoint_sides(tmp_path, "pe-freeze-diffusion", STEPS) == ["ar"]

@@ -5,8 +5,9 @@ One straight run with both sides trained serves most assertions: 14 steps, a che
 SIGKILLed while step 9 trains (Ray Train restarts the worker group, the workers load the step-7
 checkpoint of both sides, steps 8 and 9 run again: step 8 with the same numbers). A second run trains to step 2,
 stops, and resumes to step 4: its steps 3 and 4 equal the straight run's. Then each frozen mode learns on
-its own: ``freeze_llm`` (only the image model; image reward only, advantages over all images of a
-prompt) and ``freeze_diffusion`` (only the rewriter; a rewrite scored by its best image).
+its own, the trained side on a dedicated engine app (the other layouts): ``freeze_llm`` (only the image
+model, on a separate engine; image reward only, advantages over all images of a prompt) and
+``freeze_diffusion`` (only the rewriter, on a colocated engine; a rewrite scored by its best image).
 
 On every step the driver checks that the ranks trained each Part on the advantage it assigned
 (``pe/advantages_checked`` counts them); the ratio is 1 at the start of each side's step (``logp_gap``).
@@ -16,7 +17,7 @@ import os
 
 import numpy as np
 import pytest
-from support import artifacts, attempts, fit, kill_rank, logged, make, recipe_path
+from support import artifacts, attempts, drive, fit, kill_rank, logged, make, recipe_path
 
 from unirl_ray.trainer.pe import PETrainer
 
@@ -103,23 +104,51 @@ def test_resume_continues_both_sides_exactly(straight, tmp_path):
             assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), (key, step)
 
 
-def test_freeze_llm_trains_only_the_image_model(ray_local, tmp_path):
-    trainer = fit(PETrainer, RECIPE, tmp_path, "pe-freeze-llm", "trainer.num_steps=8", *COMMON, "trainer.freeze_llm=true",
-                  "reward.rewards.length.weight=0", "trainer.diffusion_group_scope=prompt", "tracking.log_samples_every=0",
-                  experiment="e2e-pe")
+ENGINE = "{_target_: unirl_ray.rollout.DedicatedRollout, engine: hf, placement: %s, ray_actor_options: {num_cpus: 0.5}}"
+
+
+def engine_checks(trainer, side, per_step, colocated, last):
+    """A ``drive`` check: the side's engine serves every version right after its step (v0: the initial
+    push), verified, and samples what the trainer would (log-probs equal at the start of each step); the
+    last step is checkpointed (as ``fit`` would)."""
+    def check(step, metrics):
+        if step == last:
+            trainer.save_checkpoint(step)
+        engine = trainer.engines[side]
+        assert engine.version == step and engine.colocated == colocated
+        if step:
+            assert metrics[f"{side}/weight_sync/version"] == step
+            assert metrics[f"{side}/rollout/logp_gap"] < 1e-4
+            assert metrics["rollout/version_lag_max"] == 0 and metrics["pe/advantages_checked"] == per_step
+            if colocated:  # the workers handed their memory to the engine for its turn
+                assert metrics[f"{side}/colocate/train_bytes_offloaded"] > 0
+                assert metrics[f"{side}/colocate/train_bytes_resident"] == 0
+    return check
+
+
+def test_freeze_llm_trains_only_the_image_model_on_its_engine(ray_local, tmp_path):
+    """The image model alone learns, rolling out on a separate HF engine app synced every step; the
+    frozen rewriter writes on the train ranks (image reward only, advantages over all images of a prompt)."""
+    trainer = make(PETrainer, RECIPE, tmp_path, "pe-freeze-llm", "trainer.num_steps=8", *COMMON,
+                   "trainer.freeze_llm=true", "reward.rewards.length.weight=0", "trainer.diffusion_group_scope=prompt",
+                   "tracking.log_samples_every=0", f"diffusion.rollout={ENGINE % 'separate'}", experiment="e2e-pe")
+    sides = trainer.rank_sections()["sides"]
+    assert "rollout" not in sides["diffusion"] and "backend" not in sides["ar"] and "rollout" in sides["ar"]
+    drive(trainer, 8, engine_checks(trainer, "diffusion", 2 * 8 * 2, colocated=False, last=8))
     assert_rises(trainer)
     assert trainer.policy_version == {"ar": 0, "diffusion": 8}
     assert not logged(trainer, "ar/train/loss") and logged(trainer, "diffusion/train/loss")
-    assert set(logged(trainer, "pe/advantages_checked").values()) == {float(2 * 8 * 2)}
     assert checkpoint_sides(tmp_path, "pe-freeze-llm", 8) == ["diffusion"]  # a rollout-only side saves nothing
 
 
-def test_freeze_diffusion_trains_only_the_rewriter(ray_local, tmp_path):
-    trainer = fit(PETrainer, RECIPE, tmp_path, "pe-freeze-diffusion", f"trainer.num_steps={STEPS}", *COMMON,
-                  "trainer.freeze_diffusion=true", "trainer.rewrite_reward=max", "tracking.log_samples_every=0",
-                  experiment="e2e-pe")
+def test_freeze_diffusion_trains_only_the_rewriter_on_a_colocated_engine(ray_local, tmp_path):
+    """The rewriter alone learns (a rewrite scored by its best image), writing on a colocated HF engine that
+    takes turns with the train workers; the frozen image model draws on the train ranks."""
+    trainer = make(PETrainer, RECIPE, tmp_path, "pe-freeze-diffusion", f"trainer.num_steps={STEPS}", *COMMON,
+                   "trainer.freeze_diffusion=true", "trainer.rewrite_reward=max", "tracking.log_samples_every=0",
+                   f"ar.rollout={ENGINE % 'colocated'}", experiment="e2e-pe")
+    drive(trainer, STEPS, engine_checks(trainer, "ar", 2 * 8, colocated=True, last=STEPS))
     assert_rises(trainer)
     assert trainer.policy_version == {"ar": STEPS, "diffusion": 0}
     assert not logged(trainer, "diffusion/train/loss") and logged(trainer, "ar/train/loss")
-    assert set(logged(trainer, "pe/advantages_checked").values()) == {float(2 * 8)}
     assert checkpoint_sides(tmp_path, "pe-freeze-diffusion", STEPS) == ["ar"]

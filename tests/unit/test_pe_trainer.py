@@ -139,7 +139,9 @@ def test_frozen_sides_roll_out_only_and_image_rewards_can_see_the_rewrite(tmp_pa
 @pytest.mark.parametrize("overrides, message", [
     (("trainer.freeze_llm=true", "trainer.freeze_diffusion=true"), "nothing would train"),
     (("trainer.prompts_per_step=3",), "must divide evenly over ray.scaling.num_workers=2"),
-    (("ar.rollout={_target_: unirl_ray.rollout.DedicatedRollout}",), "rolls out on the train ranks"),
+    (("ar.rollout={_target_: unirl_ray.rollout.TensorWeightSync}",), "must be unirl_ray.rollout.TrainsideRollout"),
+    (("trainer.freeze_llm=true", "ar.rollout={_target_: unirl_ray.rollout.DedicatedRollout}"),
+     "a frozen side has no new weights to send an engine"),
     (("diffusion.algorithm={_target_: unirl_ray.algorithms.GRPO, group_size: 2}",), "does not train DiffusionParts"),
     (("rollout.instruction=Rewrite this",), "must contain '{prompt}'"),
     (("ar.stack=null",), "ar.stack is missing"),

@@ -79,20 +79,23 @@ class TensorWeightSync:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def push(self, group: Any, engine: Any, version: int) -> dict[str, float]:
-        """Export from the train ranks, publish once, load on every replica, verify."""
+    def push(self, group: Any, engine: Any, version: int, side: str | None = None) -> dict[str, float]:
+        """Export from the train ranks (side ``side`` where the ranks hold several), publish once, load on
+        every replica, verify."""
         t0 = time.perf_counter()
-        ref, checksum, metrics = self.export(group, version)
+        ref, checksum, metrics = self.export(group, version, side)
         engine.publish(version, ref, checksum, timeout_s=self.timeout_s)
         return {**metrics, "weight_sync/seconds": time.perf_counter() - t0}
 
-    def export(self, group: Any, version: int) -> tuple[Any, str, dict[str, float]]:
+    def export(self, group: Any, version: int, side: str | None = None) -> tuple[Any, str, dict[str, float]]:
         """Gather the trainable weights from the train ranks into the object store once:
         ``(object ref, checksum, metrics)``; ``engine.publish`` then loads and verifies them."""
         import ray
 
         t0 = time.perf_counter()
-        exported = group.call("export_weights", {})[0]
+        exported = group.call("export_weights", {} if side is None else {"side": side})[0]
+        if int(exported["policy_version"]) != int(version):
+            raise RuntimeError(f"the train ranks exported weights v{exported['policy_version']} for a publish of v{version}")
         state, checksum = exported["state"], exported["checksum"]
         ref = ray.put(wire(state))  # replicas get the dict of tensors back, without torch's slow pickling
         return ref, checksum, {

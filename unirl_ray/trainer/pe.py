@@ -29,17 +29,25 @@ Each step, in order (``run_step``):
                  ``tracking.log_samples_every`` steps a table (prompt, rewrite, rewards, advantages per side)
                  and an image grid captioned with the rewrites
 
-Both sides roll out on the train ranks (the trainside layout); checkpoints hold one folder per trained
-side, and ``trainer.export_dir`` receives one model folder per trained side (``<export_dir>/ar``, ...).
+Layouts, per side (its ``rollout:``): ``TrainsideRollout`` samples on the train ranks with the module
+they train (a rank then draws the images of its own rewrites and trains both there);
+``DedicatedRollout`` puts the side on its own engine app (``<run>-rollout-<side>``: HF or vLLM for the
+rewriter, HF for the image model) that receives the side's weights after every ``sync.every`` steps,
+versioned and verified per side, ``placement: separate`` or ``colocated`` (the workers offload while the
+engine takes its turn), as in the single-side trainers. A frozen side rolls out on the ranks.
+
+Checkpoints hold one folder per trained side, and ``trainer.export_dir`` receives one model folder per
+trained side (``<export_dir>/ar``, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import math
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,10 +58,12 @@ from unirl_ray.algorithms.credit import CreditAssignment, LineageCredit
 from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import DiffusionPart, Sample, TextPart, part_advantage, routed_part
+from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
 from unirl_ray.rollout.trainside import TrainsideRollout
+from unirl_ray.rollout.weight_sync import TensorWeightSync
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
 from unirl_ray.trainer.diffusion import check_image_size
-from unirl_ray.trainer.rl import RLTrainer, _split, backend_configs
+from unirl_ray.trainer.rl import RLTrainer, _in_background, _split, backend_configs, engine_sections
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +101,20 @@ class PERunConfig(RunConfig):
                              "unfreeze at least one side")
 
 
+def _num_tokens(part: TextPart) -> int:
+    """Generated tokens of a rewrite, whether its Part is full (an engine's) or light (a rank's)."""
+    return int(part.completion_ids.numel()) if part.completion_ids is not None else int(part.num_tokens)
+
+
 class PETrainer(RLTrainer):
     """The prompt enhancer: ``RLTrainer``'s step with a composed rollout over two sides (module docstring)."""
 
     domain = "pe"
     worker_sections = SIDES
-    driver_sections = ("trainer", "data", "reward", "rollout", "tracking", "ray")
+    driver_sections = ("trainer", "data", "reward", "rollout", "tracking", "ray", "sync")
 
     def optional_sections(self) -> set[str]:
-        return set()
+        return {"sync"}
 
     # ------------------------------------------------------------ validation
     def validate_domain(self) -> None:
@@ -125,7 +140,8 @@ class PETrainer(RLTrainer):
                               f"ray.scaling.num_workers={workers}: each rank rewrites and draws whole prompts (the "
                               "rewrites and images of a prompt train on the rank that made them)")
         self.side_algorithms: dict[str, Any] = {}
-        self.backend_cfgs = {}
+        self.backend_cfgs: dict[str, dict[str, Any]] = {}
+        self.engine_cfgs: dict[str, DedicatedRollout] = {}
         for name in SIDES:
             block = recipe[name]
             for section in ("bundle", "pipeline", "algorithm", "rollout", *(() if frozen[name] else TRAIN_SECTIONS)):
@@ -137,10 +153,14 @@ class PETrainer(RLTrainer):
                 raise RecipeError(f"{name}: unknown section(s) {', '.join(unknown)}; a side has bundle, pipeline, "
                                   "backend, algorithm, stack, rollout")
             rollout_cls = locate(block.rollout.get("_target_"), f"{name}.rollout")
-            if not (isinstance(rollout_cls, type) and issubclass(rollout_cls, TrainsideRollout)):
-                raise RecipeError(f"{name}.rollout: the prompt enhancer rolls out on the train ranks; use _target_: "
-                                  "unirl_ray.rollout.TrainsideRollout (dedicated engines are not supported by this "
-                                  "trainer yet)")
+            if isinstance(rollout_cls, type) and issubclass(rollout_cls, DedicatedRollout):
+                if frozen[name]:
+                    raise RecipeError(f"{name}.rollout: a frozen side has no new weights to send an engine; it rolls "
+                                      "out on the train ranks (_target_: unirl_ray.rollout.TrainsideRollout)")
+                self.engine_cfgs[name] = instantiate(block.rollout)
+            elif not (isinstance(rollout_cls, type) and issubclass(rollout_cls, TrainsideRollout)):
+                raise RecipeError(f"{name}.rollout: _target_ must be unirl_ray.rollout.TrainsideRollout (on the train "
+                                  "ranks) or unirl_ray.rollout.DedicatedRollout (an engine app)")
             algorithm = instantiate(block.algorithm)  # driver copy: its group size and the Part it trains
             want = TextPart if name == TEXT_SIDE else DiffusionPart
             if not issubclass(want, getattr(algorithm, "part_type", object)) or getattr(algorithm, "part_type", None) is None:
@@ -164,8 +184,19 @@ class PETrainer(RLTrainer):
         self.bundle_cfgs = {name: instantiate(recipe[name].bundle.config) if "config" in recipe[name].bundle else None
                             for name in SIDES}
         check_image_size(self.bundle_cfgs[IMAGE_SIDE], recipe[IMAGE_SIDE].pipeline, where=f"{IMAGE_SIDE}.pipeline")
-        self.dedicated = self.sync = self.eval_source = None
-        self.algorithm = None
+        self.dedicated = self.eval_source = self.algorithm = None
+        self.engines: dict[str, DedicatedEngine] = {}  # deployed by start_services
+        self._engine_deploys: dict[str, Future] = {}
+        self.sync = self._build("sync") if recipe.get("sync") is not None else None
+        if self.engine_cfgs and self.sync is None:
+            self.sync = TensorWeightSync()
+
+    def extra_resources(self) -> dict[str, float]:
+        need = self.reward_cfg.resources()
+        for cfg in self.engine_cfgs.values():
+            for key, value in cfg.resources().items():
+                need[key] = need.get(key, 0.0) + value
+        return need
 
     def is_demo(self) -> bool:
         return any(bool(getattr(c, "is_demo", False)) for c in self.bundle_cfgs.values())
@@ -182,20 +213,92 @@ class PETrainer(RLTrainer):
         for name in SIDES:
             block = OmegaConf.to_container(self.recipe[name], resolve=True)
             drop = set() if name in self.trained_sides else set(TRAIN_SECTIONS)
-            if not rollout:
+            if not rollout or name in self.engine_cfgs:  # an engine app rolls this side out
                 drop.add("rollout")
             sides[name] = {k: v for k, v in block.items() if k not in drop}
         return {"sides": sides}
+
+    # -------------------------------------------------------------- services
+    def start_services(self) -> None:
+        """The reward app(s) and one engine app per side that rolls out on one (``<run>-rollout-<side>``);
+        they build while the train workers start, except colocated engines, which deploy and sleep first."""
+        from unirl_ray.rewards import RewardClient
+
+        self.reward = self.engine = None
+        self.engines, self._engine_deploys = {}, {}
+        self._stage_metrics = {}
+        self._reward_deploy = _in_background("reward", RewardClient.deploy, self.reward_cfg,
+                                             app_name=f"{self.run_cfg.run_name}-reward")
+        for name, cfg in self.engine_cfgs.items():
+            deploy = functools.partial(DedicatedEngine.deploy, cfg, app_name=self._side_app(name),
+                                       sections=engine_sections(self.recipe[name], self.backend_cfgs[name]),
+                                       seed=self.run_cfg.seed)
+            if cfg.placement == "colocated":
+                self.engines[name] = deploy()
+                self.engines[name].sleep()  # the devices go to the train workers that start next
+            else:
+                self._engine_deploys[name] = _in_background(f"engine-{name}", deploy)
+
+    def _side_app(self, side: str) -> str:
+        return f"{self.run_cfg.run_name}-rollout-{side}"
+
+    def _await_engines(self) -> dict[str, DedicatedEngine]:
+        """Every engine, once its background deploy is done (bounded by the deploy's own timeout); a deploy
+        that failed leaves no app behind, and the first failure is raised once every deploy has ended."""
+        errors = []
+        for name in list(self._engine_deploys):
+            try:
+                self.engines[name] = self._engine_deploys.pop(name).result(timeout=self.engine_cfgs[name].timeout_s + 120)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every deploy has ended
+                errors.append(exc)
+                from ray import serve
+
+                try:
+                    serve.delete(self._side_app(name))
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+        if errors:
+            raise errors[0]
+        return self.engines
 
     def start_workers(self) -> dict[str, Any]:
         announced = BaseTrainer.start_workers(self)
         self.policy_version = dict(announced.get("policy_version") or {})
         self._await_reward()
+        for name, engine in self._await_engines().items():  # engines start from the (restored) weights
+            self.sync.push(self.group, engine, self.policy_version[name], side=name)
         return announced
 
+    def stop_services(self) -> None:
+        try:
+            self._await_engines()  # deploys still running when setup failed: wait, then shut them down below
+        except Exception as exc:  # noqa: BLE001 - setup already failed; the failed deploys left no app
+            log.warning("an engine's deploy failed: %s", exc)
+        try:
+            self._await_reward()
+        except Exception as exc:  # noqa: BLE001 - setup already failed; the deploy removes an app that never got ready
+            log.warning("the reward app's deploy failed: %s", exc)
+        for service in [*self.engines.values(), getattr(self, "reward", None)]:
+            if service is not None:
+                service.shutdown()
+
     def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
+        """The restarted workers hold the checkpoint's weights: adopt their versions, republish them to the engines."""
         self.policy_version = dict(announced.get("policy_version") or {})
         self.prompt_log = [(s, p) for s, p in self.prompt_log if s <= restored_step]
+        for name, engine in self.engines.items():
+            self.sync.push(self.group, engine, self.policy_version[name], side=name)
+
+    def sync_engines(self, step: int) -> dict[str, float]:
+        """After training ``step``: publish each trained side's weights to its engine (versioned, verified)."""
+        metrics: dict[str, float] = {}
+        if not self.engines or not self.sync.due(step):
+            return metrics
+        for name, engine in self.engines.items():
+            pushed = self.sync.push(self.group, engine, self.policy_version[name], side=name)
+            metrics |= {f"{name}/{k}": v for k, v in pushed.items()}
+        metrics["timing/weight_sync"] = sum(v for k, v in metrics.items() if k.endswith("/weight_sync/seconds"))
+        return metrics
 
     # ------------------------------------------------------------- one step
     def collect(self, step: int) -> tuple[list[Sample], dict[str, Any]]:
@@ -205,6 +308,7 @@ class PETrainer(RLTrainer):
         world = self.group.world_size
         seed, n, m = self.run_cfg.seed, self.rewrites_per_prompt, self.images_per_rewrite
 
+        self.side_metrics: dict[str, float] = {}
         t0 = time.perf_counter()
         asks = []
         for p, row in enumerate(rows):
@@ -216,6 +320,7 @@ class PETrainer(RLTrainer):
                              "seed": derive_seed(seed, "rewrite", step, p * n + r),
                              "group_seed": derive_seed(seed, "rewrite-group", step, p)})
         written = self._generate(TEXT_SIDE, asks)
+        self._rewrite_versions = {t.sample_id: t.policy_version for t in written}
         t1 = time.perf_counter()
 
         cleaned, draws = [], []
@@ -246,22 +351,39 @@ class PETrainer(RLTrainer):
             raise RuntimeError(f"step {step}: {len(samples)} images for {len(rows)} prompts x {n} rewrites x {m}")
         fallback = [fb for _, fb in cleaned]
         chars = [len(r) for r, _ in cleaned]
-        tokens = [routed_part(t, TextPart, TEXT_SIDE).num_tokens for t in written]
+        tokens = [_num_tokens(routed_part(t, TextPart, TEXT_SIDE)) for t in written]
         metrics = {
             "timing/rollout": t2 - t0, "timing/rollout_rewrite": t1 - t0, "timing/rollout_draw": t2 - t1,
             "pe/fallback_frac": float(np.mean(fallback)), "pe/rewrite_chars_mean": float(np.mean(chars)),
             "pe/rewrites": float(len(asks)), "pe/images": float(len(samples)),
             "rollout/response_len_mean": float(np.mean(tokens)), "rollout/response_len_max": float(np.max(tokens)),
         }
+        metrics |= self.side_metrics
+        lags = [self.policy_version.get(side, 0) - s.policy_version for side, group in ((TEXT_SIDE, written), (IMAGE_SIDE, drawn))
+                for s in group]
+        metrics["rollout/version_lag_max"] = float(max(lags, default=0))
         metrics |= self.reward.score(samples)
         return samples, metrics
 
     def _generate(self, side: str, requests: list[dict[str, Any]]) -> list[Sample]:
-        """Side ``side`` samples ``requests`` on the ranks, contiguous shards in order (rank r: shard r)."""
-        shards = _split(requests, self.group.world_size)
-        clean = [[{k: v for k, v in r.items() if k != "original"} for r in shard] for shard in shards]
-        results = self.group.call("generate", [{"requests": shard, "side": side} for shard in clean])
-        out = [s for shard in results for s in shard]
+        """Side ``side`` samples ``requests``: on its engine app (full samples; a colocated engine takes its
+        turn on the devices), else on the ranks in contiguous shards (rank r: shard r; light samples)."""
+        clean = [{k: v for k, v in r.items() if k != "original"} for r in requests]
+        engine = self.engines.get(side)
+        if engine is not None:
+            if engine.colocated:
+                out = self.colocated_rollout(clean, engine)
+                self.side_metrics |= {f"{side}/{k}": v for k, v in self._stage_metrics.items()}
+                self._stage_metrics = {}
+            else:
+                out = engine.generate(clean)
+            for sample in out:
+                for part in sample.parts:
+                    part.stage = side
+        else:
+            shards = _split(clean, self.group.world_size)
+            results = self.group.call("generate", [{"requests": shard, "side": side} for shard in shards])
+            out = [s for shard in results for s in shard]
         if [s.sample_id for s in out] != [r["sample_id"] for r in requests]:
             raise RuntimeError(f"the {side} side returned samples out of order or incomplete")
         return out
@@ -277,7 +399,7 @@ class PETrainer(RLTrainer):
             if text.part_id not in rewrites:
                 rewrites[text.part_id] = Sample(sample_id=text.part_id, group_id=s.group_id, prompt=s.columns["rewrite"],
                                                 parts=[dataclasses.replace(text, part_id=None)], reward=text.reward,
-                                                policy_version=self.policy_version.get(TEXT_SIDE, 0))
+                                                policy_version=self._rewrite_versions[text.part_id])
             images.append(Sample(sample_id=s.sample_id, group_id=s.group_id, prompt=s.prompt, parts=[image],
                                  rewards=s.rewards, reward=s.reward, policy_version=s.policy_version))
         routed = {TEXT_SIDE: _split(list(rewrites.values()), world), IMAGE_SIDE: _split(images, world)}
@@ -293,7 +415,7 @@ class PETrainer(RLTrainer):
                 part_type = TextPart if name == TEXT_SIDE else DiffusionPart
                 sent = [part_advantage(s, routed_part(s, part_type, name)) for s in routed[name][r]]
                 got = result["advantages"][name]
-                if len(got) != len(sent) or any(not math.isclose(a, b, rel_tol=0, abs_tol=0) for a, b in zip(got, sent)):
+                if got != sent:  # exactly: the same floats, in the same order
                     raise RuntimeError(f"rank {r} trained side {name!r} on other advantages than the driver assigned "
                                        f"(first: {got[:3]} vs {sent[:3]}): a Part's advantage was lost on the way")
         self.policy_version.update(results[0]["policy_version"])

@@ -166,14 +166,8 @@ class RLTrainer(BaseTrainer):
         self._reward_deploy: Future | None = _in_background(
             "reward", RewardClient.deploy, self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
         if self.dedicated is not None:
-            sections = {
-                "bundle": OmegaConf.to_container(self.recipe.bundle, resolve=True),
-                "pipeline": OmegaConf.to_container(self.recipe.pipeline, resolve=True),
-                "lora_cfg": self._engine_lora_section(),
-                "trainable_attr": self.recipe.backend.trainable_attr,
-            }
             deploy = functools.partial(DedicatedEngine.deploy, self.dedicated, app_name=self._engine_app_name(),
-                                       sections=sections, seed=self.run_cfg.seed)
+                                       sections=engine_sections(self.recipe, self.backend_cfgs), seed=self.run_cfg.seed)
             if self.dedicated.placement == "colocated":
                 self.engine = deploy()
                 self.engine.sleep()  # give the devices to the train workers that start next
@@ -199,18 +193,6 @@ class RLTrainer(BaseTrainer):
         if future is not None:
             self.reward = future.result(timeout=REWARD_DEPLOY_TIMEOUT_S)
         return getattr(self, "reward", None)
-
-    def _engine_lora_section(self) -> dict[str, Any] | None:
-        """The adapter structure the engine must mirror: the trained LoRA (EmaLora: its default adapter)."""
-        if self.recipe.backend.get("lora_cfg") is not None:
-            return OmegaConf.to_container(self.recipe.backend.lora_cfg, resolve=True)
-        ema_lora = self.backend_cfgs.get("ema_lora_cfg")
-        if ema_lora is not None:
-            return {"_target_": "unirl_ray.train.configs.LoraConfig", **dataclasses.asdict(ema_lora.lora())}
-        return None
-
-    def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:
-        return super().rank_sections(rollout=rollout and self.dedicated is None)  # an engine rolls out: ranks only train
 
     def start_workers(self) -> dict[str, Any]:
         announced = super().start_workers()
@@ -282,8 +264,7 @@ class RLTrainer(BaseTrainer):
         metrics |= self.train(samples, seed=derive_seed(self.run_cfg.seed, "train", step))
         metrics["timing/train"] = time.perf_counter() - t0
 
-        if self.engine is not None and self.sync.due(step):
-            metrics |= self.publish_weights()
+        metrics |= self.sync_engines(step)
 
         metrics["timing/step"] = time.perf_counter() - t_step
         metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
@@ -302,6 +283,12 @@ class RLTrainer(BaseTrainer):
     def make_credit(self) -> CreditAssignment:
         """This trainer's credit assignment: by default the algorithm's ``compute_advantages``."""
         return CreditAssignment(self.algorithm)
+
+    def sync_engines(self, step: int) -> dict[str, float]:
+        """After training ``step``: publish the weights to the dedicated engine when a sync is due."""
+        if self.engine is not None and self.sync.due(step):
+            return self.publish_weights()
+        return {}
 
     def publish_weights(self) -> dict[str, float]:
         """Push the trained weights to every engine replica and verify them (the barrier); returns metrics."""
@@ -339,19 +326,21 @@ class RLTrainer(BaseTrainer):
         results = self.group.call("generate", [{"requests": shard} for shard in shards])
         return [sample for shard in results for sample in shard]
 
-    def colocated_rollout(self, requests: list[dict[str, Any]]) -> list[Sample]:
-        """Train workers and engine take turns on the same devices: workers offload, the engine wakes
-        (loading the latest version, verified), generates and sleeps, the workers onload."""
+    def colocated_rollout(self, requests: list[dict[str, Any]], engine: DedicatedEngine | None = None) -> list[Sample]:
+        """Train workers and engine (default: ``self.engine``) take turns on the same devices: workers
+        offload, the engine wakes (loading the latest version, verified), generates and sleeps, the
+        workers onload. The turn's timings and bytes are left in ``self._stage_metrics``."""
+        engine = engine or self.engine
         t0 = time.perf_counter()
         offloaded = self.group.call("offload", {})
         self._stage_metrics = {"colocate/train_bytes_offloaded": float(sum(r["bytes"] for r in offloaded)),
                                "colocate/train_bytes_resident": float(sum(r["resident_bytes"] for r in offloaded))}
         try:
-            self._stage_metrics["timing/engine_wake"] = self.engine.wake()["seconds"]
+            self._stage_metrics["timing/engine_wake"] = engine.wake()["seconds"]
             t1 = time.perf_counter()
-            samples = self.engine.generate(requests)
+            samples = engine.generate(requests)
             self._stage_metrics["timing/engine_generate"] = time.perf_counter() - t1
-            asleep = self.engine.sleep()
+            asleep = engine.sleep()
             self._stage_metrics |= {"timing/engine_sleep": asleep["seconds"], "colocate/engine_bytes_freed": asleep["bytes"]}
         finally:
             self.group.call("onload", {})
@@ -405,6 +394,20 @@ class RLTrainer(BaseTrainer):
 
     def log_eval(self, step: int, samples: list[Sample]) -> None:
         """Log media or text of an evaluation's samples (under ``eval``)."""
+
+
+def engine_sections(block: Any, backend_cfgs: dict[str, Any]) -> dict[str, Any]:
+    """What a dedicated engine app builds for a side (``block``: the recipe, or a PE side's block): its
+    bundle and pipeline, the adapter structure it must mirror (the trained LoRA; EmaLora: its default
+    adapter) and the attribute that holds the trained module."""
+    lora = None
+    if block.backend.get("lora_cfg") is not None:
+        lora = OmegaConf.to_container(block.backend.lora_cfg, resolve=True)
+    elif backend_cfgs.get("ema_lora_cfg") is not None:
+        lora = {"_target_": "unirl_ray.train.configs.LoraConfig", **dataclasses.asdict(backend_cfgs["ema_lora_cfg"].lora())}
+    return {"bundle": OmegaConf.to_container(block.bundle, resolve=True),
+            "pipeline": OmegaConf.to_container(block.pipeline, resolve=True),
+            "lora_cfg": lora, "trainable_attr": block.backend.trainable_attr}
 
 
 BACKEND_CONFIGS = ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg", "ema_lora_cfg", "ema_full_cfg")

@@ -38,6 +38,16 @@ def assert_rises(trainer, spreads=3.0):
     assert last - first > spreads * spread, (first, last, spread, [rewards[s] for s in steps])
 
 
+def sample_table(trainer, path):
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    local = MlflowClient(trainer.tracker.tracking_uri).download_artifacts(trainer.tracker.run_id, path)
+    with open(local) as f:
+        return json.load(f)
+
+
 def checkpoint_sides(storage, name, step):
     return sorted(os.listdir(os.path.join(storage, name, f"checkpoint_{step:06d}", "shards")))
 
@@ -82,9 +92,15 @@ def test_both_sides_learn_and_a_killed_worker_is_replayed_exactly(straight):
         assert logged(trainer, f"{side}/train/policy_version")[STEPS] == STEPS
     assert 0.0 <= min(logged(trainer, "pe/fallback_frac").values()) <= max(logged(trainer, "pe/fallback_frac").values()) < 0.5
     assert checkpoint_sides(storage, "pe-straight", STEPS) == ["ar", "diffusion"]
-    tables = artifacts(trainer, "samples")
-    assert any(a.endswith("step_000007.json") for a in tables), tables
-    assert any("images" in a or "samples" in a for a in artifacts(trainer)), artifacts(trainer)
+    table = sample_table(trainer, "samples/step_000007.json")  # every log_samples_every steps: a table ...
+    assert len(table["data"]) == 32  # the step's images (at most 32 shown)
+    for column in ("prompt", "rewrite", "rewriter_text", "reward", "rewrite_reward", "ar_advantage", "diffusion_advantage"):
+        assert column in table["columns"], column
+    grid = artifacts(trainer, "images")  # ... and an image grid with the rewrites as captions
+    assert any(a.endswith(".png") for a in grid) and any(a.endswith("step_000007.json") for a in grid), grid
+    captions = sample_table(trainer, "images/step_000007.json")
+    rewrite, caption = table["columns"].index("rewrite"), captions["columns"].index("caption")
+    assert captions["data"][0][caption].startswith(f"{table['data'][0][rewrite]} | r=")
     for side, marker in (("ar", "config.json"), ("diffusion", "model_index.json")):  # one model folder per side
         assert marker in os.listdir(storage / "export" / side), side
 

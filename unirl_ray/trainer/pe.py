@@ -463,4 +463,4 @@ class PETrainer(RLTrainer):
         drawn = [s for s in shown if s.image is not None][:16]
         captions = [f"{s.columns['rewrite']} | r={s.reward if s.reward is None else round(s.reward, 4)}" for s in drawn]
         if drawn:
-            self.tracker.log_images(step, [s.image for s in drawn], captions, key="samples")
+            self.tracker.log_images(step, [s.image for s in drawn], captions, key="images")  # its own captions table

@@ -194,6 +194,9 @@ class RLTrainer(BaseTrainer):
             self.reward = future.result(timeout=REWARD_DEPLOY_TIMEOUT_S)
         return getattr(self, "reward", None)
 
+    def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:
+        return super().rank_sections(rollout=rollout and self.dedicated is None)  # an engine rolls out: ranks only train
+
     def start_workers(self) -> dict[str, Any]:
         announced = super().start_workers()
         self.policy_version = int(announced.get("policy_version", 0))

@@ -160,3 +160,17 @@ def test_image_prompt_is_refused_outside_the_prompt_enhancer(tmp_path):
     recipe = load(recipe_path("diffusion", "sd3", "sd3_tiny_flowgrpo.yaml"), tmp_path, "x", "+reward.image_prompt=rewrite")
     with pytest.raises(RecipeError, match="reward.image_prompt='rewrite' is for prompt-enhancer recipes"):
         DiffusionTrainer(recipe)
+
+
+def test_an_earlier_per_side_export_is_replaced_and_anything_else_refused(tmp_path):
+    from unirl_ray.train.export import INFO_FILE
+
+    export = tmp_path / "export"
+    for side in ("ar", "diffusion"):  # what a finished PE run left: one export per side
+        (export / side).mkdir(parents=True)
+        (export / side / INFO_FILE).write_text("{}")
+    trainer = PETrainer(load(RECIPE, tmp_path / "runs", "pe-export", f"+trainer.export_dir={export}"))
+    assert trainer.run_cfg.export_dir == str(export)
+    (export / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="exists and is not empty"):
+        PETrainer(load(RECIPE, tmp_path / "runs", "pe-export", f"+trainer.export_dir={export}"))

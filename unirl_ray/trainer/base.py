@@ -80,7 +80,7 @@ class RunConfig:
         self._check_export_options()
 
     def _check_export_options(self) -> None:
-        from unirl_ray.train.export import check_export_dir, is_previous_export
+        from unirl_ray.train.export import check_export_dir
 
         if self.export_dir is None:
             if self.export_register_as is not None:
@@ -90,7 +90,7 @@ class RunConfig:
             return
         # an earlier export of this folder (a finished run started again) is replaced; anything else is refused
         try:
-            self.export_dir = check_export_dir(self.export_dir, overwrite=is_previous_export(self.export_dir))
+            self.export_dir = check_export_dir(self.export_dir, overwrite=self.holds_previous_export(self.export_dir))
         except ValueError as exc:
             raise ValueError(f"trainer.export_dir: {str(exc).split('; pass overwrite')[0]}. Set trainer.export_dir to an "
                              "empty or new folder (an earlier export of this project there is replaced)") from None
@@ -101,6 +101,14 @@ class RunConfig:
                                  "Train manages (checkpoints rotate there); set trainer.export_dir outside it")
         if self.export_register_as is not None and not str(self.export_register_as).strip():
             raise ValueError("trainer.export_register_as must be a registered model name or null")
+
+
+    @staticmethod
+    def holds_previous_export(directory: str) -> bool:
+        """Whether ``directory`` holds an earlier export of this kind of run (replaced by the next one)."""
+        from unirl_ray.train.export import is_previous_export
+
+        return is_previous_export(directory)
 
 
 def _event_loop_running() -> bool:

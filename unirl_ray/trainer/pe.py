@@ -100,6 +100,15 @@ class PERunConfig(RunConfig):
             raise ValueError("trainer.freeze_llm and trainer.freeze_diffusion are both true: nothing would train; "
                              "unfreeze at least one side")
 
+    @staticmethod
+    def holds_previous_export(directory: str) -> bool:
+        """An earlier PE export: one earlier export per side folder (``ar``, ``diffusion``) and nothing else."""
+        from unirl_ray.train.export import is_previous_export
+
+        folder = os.path.abspath(os.path.expanduser(directory))
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        return bool(names) and all(n in SIDES and is_previous_export(os.path.join(folder, n)) for n in names)
+
 
 def _num_tokens(part: TextPart) -> int:
     """Generated tokens of a rewrite, whether its Part is full (an engine's) or light (a rank's)."""

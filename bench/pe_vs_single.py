@@ -17,7 +17,7 @@ and the ratio is pe / (ar + diffusion): what composing the two sides on one rank
 them as two trainers (the rewrite cleaning, the composed Samples, routing and the advantage check).
 The PE side has one reward app for both kinds of reward, the two others one each.
 
-    python bench/pe_vs_single.py                       # ~6 min on 2 cores
+    python bench/pe_vs_single.py                       # ~3 min on 2 cores
     python bench/pe_vs_single.py --blocks 6 --block-steps 2 --json-out /tmp/pe.json
 """
 

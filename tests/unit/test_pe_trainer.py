@@ -148,6 +148,8 @@ def test_frozen_sides_roll_out_only_and_image_rewards_can_see_the_rewrite(tmp_pa
     (("+trainer.eval_every=2",), "PERunConfig takes no argument 'eval_every'"),
     (("trainer.diffusion_group_scope=image",), "diffusion_group_scope` must be one of 'rewrite' or 'prompt'"),
     (("ar.stack.mini_batch_size=5",), "ar.stack"),
+    (("diffusion.algorithm.normalize_std=false",), "diffusion.algorithm.normalize_std=False: the prompt enhancer's credit"),
+    (("+ar.algorithm.advantage_estimator=rloo",), "set ar.algorithm.advantage_estimator='grpo'"),
 ])
 def test_bad_prompt_enhancer_recipes_fail_on_the_driver(tmp_path, overrides, message):
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace("{", r"\{").replace("}", r"\}")):
@@ -174,3 +176,22 @@ def test_an_earlier_per_side_export_is_replaced_and_anything_else_refused(tmp_pa
     (export / "notes.txt").write_text("mine")
     with pytest.raises(RecipeError, match="exists and is not empty"):
         PETrainer(load(RECIPE, tmp_path / "runs", "pe-export", f"+trainer.export_dir={export}"))
+
+
+def test_exports_name_a_trained_side_and_resumes_may_change_per_side_resources(tmp_path):
+    trainer = PETrainer(load(RECIPE, tmp_path, "pe-misc", "trainer.freeze_llm=true"))
+    with pytest.raises(ValueError, match="name the side to export: side='diffusion'"):
+        trainer.export(str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="a frozen side has nothing trained to export"):
+        trainer.export(str(tmp_path / "out"), side="ar")
+    safe = trainer.resume_safe_prefixes()
+    assert {"stack.micro_batch_size", "ar.stack.micro_batch_size", "diffusion.rollout.num_replicas"} <= set(safe)
+
+
+def test_single_side_ranks_leave_the_rollout_to_a_dedicated_engine(tmp_path):
+    from unirl_ray.trainer.ar import ARTrainer
+
+    engine = ARTrainer(load(recipe_path("ar", "tiny", "char_grpo_engine.yaml"), tmp_path, "engine"))
+    direct = ARTrainer(load(recipe_path("ar", "tiny", "char_grpo_direct.yaml"), tmp_path, "direct"))
+    assert "rollout" not in engine.rank_sections() and "rollout" in direct.rank_sections()
+    assert "rollout" not in direct.rank_sections(rollout=False)  # an export generates nothing

@@ -71,6 +71,31 @@ def test_engine_refuses_corrupt_or_foreign_weights_and_keeps_its_version(engine)
     assert torch.equal(dict(engine.module.named_parameters())[name], state[name])
 
 
+def test_a_waking_replica_serves_the_older_version_a_rewind_published(engine, monkeypatch):
+    """After a worker-group restart the controller republishes the checkpoint's (older) version; a colocated
+    replica records only the newest it loaded, so waking must load that exact version, not keep the newer one."""
+    import ray
+
+    name, param = next(iter(engine.module.named_parameters()))
+    newer = {name: param.detach().clone() + 2}
+    engine.load_weights(9, newer, state_checksum(newer))
+    older = {name: param.detach().clone() - 2}
+
+    class Store:  # the run's weight store, holding the republished v5
+        class get_latest:
+            @staticmethod
+            def remote():
+                return {"version": 5, "ref": [older], "checksum": state_checksum(older)}
+
+    monkeypatch.setattr(engine, "store", ("weights", "ns"))
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: Store)
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+    engine._catch_up(5)  # generation accepts a newer version ("at least"): nothing to load
+    assert engine.status()["version"] == 9
+    assert engine.wake(5)["version"] == 5  # a wake serves exactly the expected one
+    assert torch.equal(dict(engine.module.named_parameters())[name], older[name])
+
+
 def test_checksum_of_live_parameters_leaves_them_offloadable():
     """A one-rank export hands over the live parameters: hashing them must not pin their storage."""
     from unirl_ray.train.backend.offload import StorageOffloader

@@ -246,7 +246,7 @@ class BaseTrainer(ABC):
             written = flatten(yaml.safe_load(f) or {})
         now = flatten(self.recipe)
         changed = [k for k in sorted(set(written) | set(now))
-                   if written.get(k) != now.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
+                   if written.get(k) != now.get(k) and not k.startswith(self.resume_safe_prefixes())]
         if not changed:
             return
         shown = "; ".join(f"{k}: {written.get(k, '(absent)')} -> {now.get(k, '(absent)')}" for k in changed[:8])
@@ -263,6 +263,10 @@ class BaseTrainer(ABC):
             f"resuming it would train something else: {shown}{more}. For a new run set trainer.run_name=<new name>; "
             f"to resume anyway, +trainer.resume_changed_recipe=true (the recipe it started with: {path})"
         )
+
+    def resume_safe_prefixes(self) -> tuple[str, ...]:
+        """Recipe keys (prefixes) a resumed run may change (``RESUME_SAFE_PREFIXES``)."""
+        return RESUME_SAFE_PREFIXES
 
     @staticmethod
     def _has_checkpoint(run_dir: str) -> bool:

@@ -24,7 +24,8 @@ Each step, in order (``run_step``):
                  ``trainer.rewrite_reward``) of its images', its advantage relative to the N rewrites of its prompt
     train     -> every rank trains each unfrozen side on the Parts routed to it (one Sample per rewrite for
                  ``ar``, one per image for ``diffusion``), ``ar`` first, then ``diffusion``; the ranks report the
-                 advantage every Part trained on and the driver checks them against the ones it assigned
+                 advantage each Part carried into its side's stack and the driver checks them against the ones it
+                 assigned (a score lost between driver and rank fails the step)
     log       -> MLflow metrics per side (``ar/algo/clip_frac``, ``diffusion/train/loss``, ...), and every
                  ``tracking.log_samples_every`` steps a table (prompt, rewrite, rewards, advantages per side)
                  and an image grid captioned with the rewrites
@@ -33,8 +34,13 @@ Layouts, per side (its ``rollout:``): ``TrainsideRollout`` samples on the train 
 they train (a rank then draws the images of its own rewrites and trains both there);
 ``DedicatedRollout`` puts the side on its own engine app (``<run>-rollout-<side>``: HF or vLLM for the
 rewriter, HF for the image model) that receives the side's weights after every ``sync.every`` steps,
-versioned and verified per side, ``placement: separate`` or ``colocated`` (the workers offload while the
-engine takes its turn), as in the single-side trainers. A frozen side rolls out on the ranks.
+versioned and verified per side, ``placement: separate`` or ``colocated`` (the workers offload the trained
+sides' state while the engine takes its turn; a frozen side's weights stay resident), as in the
+single-side trainers. A frozen side rolls out on the ranks.
+
+With ``diffusion_group_scope: prompt`` a reward that scores only the rewrite (a format or length reward)
+differs between the rewrites of a prompt and so enters the image advantages too; under ``rewrite`` it is
+the same for every image of a group and cancels out.
 
 Checkpoints hold one folder per trained side, and ``trainer.export_dir`` receives one model folder per
 trained side (``<export_dir>/ar``, ...).
@@ -46,6 +52,7 @@ import dataclasses
 import functools
 import logging
 import os
+import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -172,8 +179,17 @@ class PETrainer(RLTrainer):
                                   "ranks) or unirl_ray.rollout.DedicatedRollout (an engine app)")
             algorithm = instantiate(block.algorithm)  # driver copy: its group size and the Part it trains
             want = TextPart if name == TEXT_SIDE else DiffusionPart
-            if not issubclass(want, getattr(algorithm, "part_type", object)) or getattr(algorithm, "part_type", None) is None:
+            if getattr(algorithm, "part_type", None) is not want:
                 raise RecipeError(f"{name}.algorithm: {type(algorithm).__name__} does not train {want.__name__}s")
+            # LineageCredit computes both sides' advantages: the algorithm's own advantage options must agree
+            for key, wanted in (("normalize_std", cfg.normalize_std), ("advantage_estimator", "grpo"),
+                                ("global_std", False if cfg.normalize_std else getattr(algorithm, "global_std", False))):
+                have = getattr(algorithm, key, wanted)
+                if have != wanted:
+                    raise RecipeError(
+                        f"{name}.algorithm.{key}={have!r}: the prompt enhancer's credit assignment (LineageCredit) computes "
+                        f"the advantages of both sides, group-relative over rewrites / images with the group's own std "
+                        f"(trainer.normalize_std={cfg.normalize_std}); set {name}.algorithm.{key}={wanted!r}")
             if int(getattr(algorithm, "group_size", 0) or 0) < 2:
                 raise RecipeError(f"{name}.algorithm.group_size must be >= 2 (group-relative advantages)")
             self.side_algorithms[name] = algorithm
@@ -314,7 +330,6 @@ class PETrainer(RLTrainer):
         """prompts -> rewrites (ar side) -> images (diffusion side) -> rewards; one Sample per image."""
         rows = self.data.next_batch(self.prompts_per_step)
         self.prompt_log.append((step, [row["prompt"] for row in rows]))
-        world = self.group.world_size
         seed, n, m = self.run_cfg.seed, self.rewrites_per_prompt, self.images_per_rewrite
 
         self.side_metrics: dict[str, float] = {}
@@ -356,7 +371,7 @@ class PETrainer(RLTrainer):
                 parts=[rewrite_part, routed_part(image, DiffusionPart, IMAGE_SIDE)],
                 image=image.image, policy_version=image.policy_version,
             ))
-        if len(samples) != len(rows) * n * m or world * (len(samples) // world) != len(samples):
+        if len(samples) != len(rows) * n * m:
             raise RuntimeError(f"step {step}: {len(samples)} images for {len(rows)} prompts x {n} rewrites x {m}")
         fallback = [fb for _, fb in cleaned]
         chars = [len(r) for r, _ in cleaned]
@@ -398,8 +413,9 @@ class PETrainer(RLTrainer):
         return out
 
     def train(self, samples: list[Sample], *, seed: int) -> dict[str, float]:
-        """Route every Part to its side (one Sample per rewrite for ``ar``, one per image for ``diffusion``),
-        train the unfrozen sides on every rank, and check the advantages the ranks trained on."""
+        """Route every Part to its side (one Sample per rewrite for ``ar``, one per image for ``diffusion``), in
+        the contiguous shards they were generated in (rank r trains what rank r made), train the unfrozen sides
+        on every rank, and check the advantages each rank's Parts carried into its stacks."""
         world = self.group.world_size
         rewrites: dict[str, Sample] = {}
         images = []
@@ -412,11 +428,6 @@ class PETrainer(RLTrainer):
             images.append(Sample(sample_id=s.sample_id, group_id=s.group_id, prompt=s.prompt, parts=[image],
                                  rewards=s.rewards, reward=s.reward, policy_version=s.policy_version))
         routed = {TEXT_SIDE: _split(list(rewrites.values()), world), IMAGE_SIDE: _split(images, world)}
-        for r in range(world):  # a rank trains the images of its own rewrites (both were made there)
-            mine = {s.sample_id for s in routed[TEXT_SIDE][r]}
-            strays = [s.sample_id for s in routed[IMAGE_SIDE][r] if s.sample_id.rsplit("-i", 1)[0] not in mine]
-            if strays:
-                raise RuntimeError(f"images {strays[:3]} would train on rank {r}, which did not write their rewrites")
         payload = [{"samples": {name: routed[name][r] for name in self.trained_sides}, "seed": seed} for r in range(world)]
         results = self.group.call("train", payload)
         for r, result in enumerate(results):
@@ -436,7 +447,20 @@ class PETrainer(RLTrainer):
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         return {}
 
+    def resume_safe_prefixes(self) -> tuple[str, ...]:
+        """The single-side trainers' resume-safe keys, also under each side (``ar.stack.micro_batch_size``, ...)."""
+        base = super().resume_safe_prefixes()
+        per_side = tuple(f"{side}.{p}" for side in SIDES for p in base if p.startswith(("stack.", "rollout.")))
+        return base + per_side
+
     # -------------------------------------------------------------- export
+    def export(self, directory: str, *, side: str | None = None, **kwargs: Any) -> str:
+        """``BaseTrainer.export`` of one side's model (``side``: ``ar`` or ``diffusion``, a trained one)."""
+        if side not in self.trained_sides:
+            raise ValueError(f"name the side to export: side={' or '.join(map(repr, self.trained_sides))} "
+                             f"(got {side!r}; a frozen side has nothing trained to export)")
+        return super().export(directory, side=side, **kwargs)
+
     def export_at_end(self) -> None:
         """``trainer.export_dir``: one ``from_pretrained`` folder per trained side (``<export_dir>/<side>``),
         registered as ``<export_register_as>-<side>`` when set."""
@@ -445,6 +469,10 @@ class PETrainer(RLTrainer):
             return
         from unirl_ray.train.export import is_previous_export
 
+        for name in SIDES:  # an earlier export of a side this run keeps frozen would pass for this run's
+            stale = os.path.join(cfg.export_dir, name)
+            if name not in self.trained_sides and is_previous_export(stale):
+                shutil.rmtree(stale)
         for name in self.trained_sides:
             directory = os.path.join(cfg.export_dir, name)
             register = f"{cfg.export_register_as}-{name}" if cfg.export_register_as else None

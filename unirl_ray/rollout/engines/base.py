@@ -45,7 +45,7 @@ class VersionedEngine(abc.ABC):
         if self.asleep:
             self._restore()
             self.asleep, self.released_bytes = False, 0
-        self._catch_up(expected_version)
+        self._catch_up(expected_version, exact=True)
         return self.status()
 
     @abc.abstractmethod
@@ -67,14 +67,17 @@ class VersionedEngine(abc.ABC):
                 "the controller wakes it before rolling out"
             )
 
-    def _catch_up(self, expected_version: int) -> None:
-        """A replica behind the controller (started or restarted late) loads the latest published weights."""
-        if self.version >= expected_version or self.store is None:
+    def _catch_up(self, expected_version: int, *, exact: bool = False) -> None:
+        """A replica behind the controller (started or restarted late) loads the latest published weights.
+        ``exact`` (a colocated replica waking): it must serve ``expected_version`` itself, which is older than
+        the one it holds after a worker-group restart rewound the run to a checkpoint."""
+        fits = (lambda v: v == expected_version) if exact else (lambda v: v >= expected_version)
+        if fits(self.version) or self.store is None:
             return
         import ray
 
         store = ray.get_actor(self.store[0], namespace=self.store[1])
         latest = ray.get(store.get_latest.remote(), timeout=60)
-        if latest is not None and latest["version"] >= expected_version:
+        if latest is not None and fits(latest["version"]):
             state = ray.get(latest["ref"][0], timeout=300)
             self.load_weights(latest["version"], state, latest["checksum"])

@@ -102,7 +102,6 @@ class RunConfig:
         if self.export_register_as is not None and not str(self.export_register_as).strip():
             raise ValueError("trainer.export_register_as must be a registered model name or null")
 
-
     @staticmethod
     def holds_previous_export(directory: str) -> bool:
         """Whether ``directory`` holds an earlier export of this kind of run (replaced by the next one)."""

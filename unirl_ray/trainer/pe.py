@@ -294,18 +294,11 @@ class PETrainer(RLTrainer):
             self.sync.push(self.group, engine, self.policy_version[name], side=name)
         return announced
 
-    def stop_services(self) -> None:
-        try:
-            self._await_engines()  # deploys still running when setup failed: wait, then shut them down below
-        except Exception as exc:  # noqa: BLE001 - setup already failed; the failed deploys left no app
-            log.warning("an engine's deploy failed: %s", exc)
-        try:
-            self._await_reward()
-        except Exception as exc:  # noqa: BLE001 - setup already failed; the deploy removes an app that never got ready
-            log.warning("the reward app's deploy failed: %s", exc)
-        for service in [*self.engines.values(), getattr(self, "reward", None)]:
-            if service is not None:
-                service.shutdown()
+    def await_engines(self) -> None:
+        self._await_engines()
+
+    def engine_services(self) -> list[DedicatedEngine]:
+        return list(self.engines.values())
 
     def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
         """The restarted workers hold the checkpoint's weights: adopt their versions, republish them to the engines."""
@@ -443,9 +436,6 @@ class PETrainer(RLTrainer):
         metrics |= {f"{name}/train/policy_version": float(self.policy_version[name]) for name in self.trained_sides}
         metrics["pe/advantages_checked"] = float(sum(len(r["advantages"][n]) for r in results for n in self.trained_sides))
         return metrics
-
-    def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
-        return {}
 
     def resume_safe_prefixes(self) -> tuple[str, ...]:
         """The single-side trainers' resume-safe keys, also under each side (``ar.stack.micro_batch_size``, ...)."""

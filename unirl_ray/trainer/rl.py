@@ -206,23 +206,36 @@ class RLTrainer(BaseTrainer):
         return announced
 
     def stop_services(self) -> None:
+        """Wait for deploys still running (setup failed), then shut the engine app(s) and the reward app(s) down."""
         try:
-            self._await_engine()  # a deploy still running when setup failed: wait, then shut it down below
-        except Exception as exc:  # noqa: BLE001 - setup already failed; remove what the deploy left
-            log.warning("the rollout engine's deploy failed: %s", exc)
+            self.await_engines()
+        except Exception as exc:  # noqa: BLE001 - setup already failed; a failed deploy leaves no app
+            log.warning("a rollout engine's deploy failed: %s", exc)
+        try:
+            self._await_reward()
+        except Exception as exc:  # noqa: BLE001 - setup already failed; the deploy removes an app that never got ready
+            log.warning("the reward app's deploy failed: %s", exc)
+        for service in [*self.engine_services(), getattr(self, "reward", None)]:
+            if service is not None:
+                service.shutdown()
+
+    def await_engines(self) -> None:
+        """Wait for the engine's background deploy; one that failed is deleted and its error raised."""
+        try:
+            self._await_engine()
+        except Exception:
             from ray import serve
 
             try:
                 serve.delete(self._engine_app_name())
             except Exception:  # noqa: BLE001 - best effort
                 pass
-        try:
-            self._await_reward()
-        except Exception as exc:  # noqa: BLE001 - setup already failed; the deploy removes an app that never got ready
-            log.warning("the reward app's deploy failed: %s", exc)
-        for service in (getattr(self, "engine", None), getattr(self, "reward", None)):
-            if service is not None:
-                service.shutdown()
+            raise
+
+    def engine_services(self) -> list[DedicatedEngine]:
+        """The deployed engine apps of this run."""
+        engine = getattr(self, "engine", None)
+        return [] if engine is None else [engine]
 
     def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
         """The restarted workers hold the checkpoint's weights: adopt its version, republish it to the engine."""

@@ -160,11 +160,16 @@ def test_freeze_llm_trains_only_the_image_model_on_its_engine(ray_local, tmp_pat
 def test_freeze_diffusion_trains_only_the_rewriter_on_a_colocated_engine(ray_local, tmp_path):
     """The rewriter alone learns (a rewrite scored by its best image), writing on a colocated HF engine that
     takes turns with the train workers; the frozen image model draws on the train ranks."""
-    trainer = make(PETrainer, RECIPE, tmp_path, "pe-freeze-diffusion", f"trainer.num_steps={STEPS}", *COMMON,
+    # the image reward reaches the rewriter only through the images of its rewrites: a weak signal, so the
+    # rewriter's learning rate is doubled; 2 within-step spreads over 3 steps of 32 images are still ~20
+    # standard errors of the mean
+    steps = 8
+    trainer = make(PETrainer, RECIPE, tmp_path, "pe-freeze-diffusion", f"trainer.num_steps={steps}", *COMMON,
                    "trainer.freeze_diffusion=true", "trainer.rewrite_reward=max", "tracking.log_samples_every=0",
-                   f"ar.rollout={ENGINE % 'colocated'}", experiment="e2e-pe")
-    drive(trainer, STEPS, engine_checks(trainer, "ar", 2 * 8, colocated=True, last=STEPS))
-    assert_rises(trainer)
-    assert trainer.policy_version == {"ar": STEPS, "diffusion": 0}
+                   "ar.backend.optimizer_cfg.learning_rate=4e-2", f"ar.rollout={ENGINE % 'colocated'}",
+                   experiment="e2e-pe")
+    drive(trainer, steps, engine_checks(trainer, "ar", 2 * 8, colocated=True, last=steps))
+    assert_rises(trainer, spreads=2.0)
+    assert trainer.policy_version == {"ar": steps, "diffusion": 0}
     assert not logged(trainer, "diffusion/train/loss") and logged(trainer, "ar/train/loss")
-    assert checkpoint_sides(tmp_path, "pe-freeze-diffusion", STEPS) == ["ar"]
+    assert checkpoint_sides(tmp_path, "pe-freeze-diffusion", steps) == ["ar"]

@@ -78,8 +78,9 @@ def ray_local(request):
 
             try:  # no Serve app of this module reaches the next one; a kept Ray keeps its Serve controller
                 if keep:
-                    for name in serve.status().applications:
-                        serve.delete(name)
+                    from unirl_ray.runtime.serve import delete_apps
+
+                    delete_apps(list(serve.status().applications))
                 else:
                     serve.shutdown()
             except Exception:  # noqa: BLE001 - best effort; ray.shutdown() ends everything

@@ -28,8 +28,10 @@ def _setup_installed_vllm() -> bool:
     return os.path.exists(stamp) and "vllm" in open(stamp).read().split()
 
 
-if _setup_installed_vllm():
-    import vllm  # noqa: F401  (must import: the test command installed it)
+if _setup_installed_vllm():  # must be there: the test command installed it (the engines import it in their actors)
+    import importlib.util
+
+    assert importlib.util.find_spec("vllm") is not None, "vllm was installed by .ci/setup but cannot be found"
 else:
     pytest.importorskip("vllm")
 

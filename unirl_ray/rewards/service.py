@@ -32,8 +32,7 @@ import ray
 from ray import serve
 
 from unirl_ray.rewards.combine import RewardConfig, RewardError, combine, reward_metrics, score_one
-from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, start_serve
-from unirl_ray.runtime.timeouts import call_with_timeout as _call_with_timeout
+from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, delete_apps, run_app, start_serve
 
 if TYPE_CHECKING:  # replicas never import torch through the Sample module
     from unirl_ray.core.sample import Sample
@@ -386,10 +385,13 @@ class RewardClient:
             )
         return len({name for _, name in failed})
 
+    def app_names(self) -> list[str]:
+        """The Serve apps of this client (one per reward app)."""
+        return [app.name for app in self.apps]
+
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Delete the reward app(s) (Serve itself keeps running for other apps)."""
-        for app in self.apps:
-            _call_with_timeout(lambda name=app.name: serve.delete(name), timeout_s, f"delete-{app.name}")
+        delete_apps([app.name for app in self.apps], timeout_s=timeout_s)
 
 
 def _deploy_one(cfg: RewardConfig, app_name: str, http_port: int | None, ready_timeout_s: float) -> RewardApp:
@@ -397,9 +399,7 @@ def _deploy_one(cfg: RewardConfig, app_name: str, http_port: int | None, ready_t
     app = build_reward_app(cfg)
     route = f"/{app_name}" if http_port is not None else None
     try:
-        handle = _call_with_timeout(
-            lambda: serve.run(app, name=app_name, route_prefix=route), ready_timeout_s, f"deploy-{app_name}"
-        )
+        handle = run_app(app, app_name, route_prefix=route, timeout_s=ready_timeout_s)
     except TimeoutError:
         _delete_quietly(app_name)
         raise TimeoutError(

@@ -90,8 +90,7 @@ class DedicatedEngine:
         from ray import serve
 
         from unirl_ray.config.recipe import locate
-        from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, start_serve
-        from unirl_ray.runtime.timeouts import call_with_timeout
+        from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, delete_apps, run_app, start_serve
         from unirl_ray.runtime.train_group import NAMESPACE
 
         start_serve(None)
@@ -111,11 +110,9 @@ class DedicatedEngine:
             extra["colocated"] = True
         app = deployment.bind(sections, (store_name, NAMESPACE), seed, **extra)
         try:
-            handle = call_with_timeout(
-                lambda: serve.run(app, name=app_name, route_prefix=None), cfg.timeout_s, f"deploy-{app_name}"
-            )
+            handle = run_app(app, app_name, route_prefix=None, timeout_s=cfg.timeout_s)
         except TimeoutError:
-            serve.delete(app_name)
+            delete_apps([app_name])
             raise TimeoutError(
                 f"rollout engine {app_name!r} was not ready within {cfg.timeout_s:.0f}s: it needs {cfg.num_replicas} "
                 f"replica(s) x {cfg.ray_actor_options}; check free resources with `ray status`"
@@ -198,13 +195,17 @@ class DedicatedEngine:
     def status(self) -> list[dict[str, Any]]:
         return self.handle.broadcast("status").results(timeout_s=60)
 
-    def shutdown(self) -> None:
-        from ray import serve
+    def app_names(self) -> list[str]:
+        """The Serve app of this engine."""
+        return [self.app_name]
 
+    def shutdown(self) -> None:
         import ray
 
+        from unirl_ray.runtime.serve import delete_apps
+
         try:
-            serve.delete(self.app_name)
+            delete_apps([self.app_name])
         except Exception as exc:  # noqa: BLE001 - best effort at teardown
             log.warning("deleting rollout app %s: %s", self.app_name, exc)
         try:

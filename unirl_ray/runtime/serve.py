@@ -1,13 +1,23 @@
 """Ray Serve plumbing shared by the reward service and the dedicated rollout engine: starting Serve
-(HTTP off unless asked) and how often a stopping replica polls for requests still in flight."""
+(HTTP off unless asked), deploying and deleting apps with bounded waits, and how often a stopping
+replica polls for requests still in flight."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from unirl_ray.runtime.timeouts import call_with_timeout
 
 SHUTDOWN_POLL_S = 0.2
 """How often a stopping replica checks for requests still in flight (Serve's default, 2 s, made
 every app deletion wait ~2 s per replica even when idle; the timeout for in-flight work is unchanged)."""
+
+STATUS_POLL_S = 0.1
+"""How often a deploy or a deletion checks the app's status. ``serve.run`` and ``serve.delete`` poll every
+1 s, so each deploy waited ~0.5 s and each deletion ~1 s longer than the app took."""
 
 
 _START_LOCK = threading.Lock()
@@ -26,3 +36,60 @@ def start_serve(http_port: int | None = None) -> None:
             serve.start(proxy_location="Disabled")
         else:
             serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": int(http_port)})
+
+
+def _app_statuses() -> dict[str, Any]:
+    from ray import serve
+
+    return serve.status().applications
+
+
+def run_app(app: Any, name: str, *, route_prefix: str | None, timeout_s: float) -> Any:
+    """``serve.run(app, name=, route_prefix=)`` that returns as soon as the app is RUNNING; returns its handle.
+
+    TimeoutError after ``timeout_s`` (the caller deletes the app), RuntimeError if Serve reports
+    DEPLOY_FAILED (its message included), as ``serve.run`` raises.
+    """
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+
+    def deploy() -> Any:
+        target = serve.RunTarget(app, name=name, route_prefix=route_prefix)
+        handle = serve.run_many([target], wait_for_applications_running=False)[0]
+        while True:
+            status = _app_statuses().get(name)
+            if status is not None and status.status == "RUNNING":
+                return handle
+            if status is not None and status.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"Deploying application {name} failed: {status.message}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"deploy-{name} did not finish within {timeout_s} s")
+            time.sleep(STATUS_POLL_S)
+
+    return call_with_timeout(deploy, timeout_s + 5, f"deploy-{name}")
+
+
+def delete_apps(names: Sequence[str], *, timeout_s: float = 60.0) -> None:
+    """Delete the Serve apps ``names`` together and wait until all are gone; TimeoutError naming those
+    left. Names of apps that do not exist are fine."""
+    from ray import serve
+
+    names = list(dict.fromkeys(names))
+    if not names:
+        return
+    deadline = time.monotonic() + timeout_s
+
+    def delete() -> None:
+        for name in names:
+            serve.delete(name, _blocking=False)
+        while True:
+            statuses = _app_statuses()
+            left = [n for n in names if n in statuses and statuses[n].status != "NOT_STARTED"]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Serve apps {left} were not deleted within {timeout_s} s")
+            time.sleep(STATUS_POLL_S)
+
+    call_with_timeout(delete, timeout_s + 5, f"delete-{'-'.join(names)}")

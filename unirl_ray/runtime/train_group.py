@@ -74,14 +74,14 @@ class TrainGroup:
     # ---------------------------------------------------------------- start
     def _trainer(self):
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
+        from ray.train.torch import TorchConfig
 
         from unirl_ray.runtime.worker import worker_main
 
         cfg = self.ray_cfg
         scaling = dict(cfg.scaling)
         scaling["resources_per_worker"] = cfg.worker_resources()
-        return TorchTrainer(
+        return _torch_trainer_class()(
             worker_main,
             train_loop_config=self.loop_config,
             datasets=self.datasets,
@@ -200,3 +200,47 @@ class TrainGroup:
     @property
     def run_dir(self) -> str:
         return os.path.join(self.storage_path, self.run_name)
+
+
+_STATE_API: dict[str, bool] = {}
+
+
+def state_api_available() -> bool:
+    """Whether the connected cluster answers Ray's State API (its dashboard runs; not in the embedded
+    local Ray, which starts without one). Asked once per cluster."""
+    gcs = ray.get_runtime_context().gcs_address
+    if gcs not in _STATE_API:
+        from ray.util.state import list_nodes
+        from ray.util.state.exception import RayStateApiException
+
+        try:
+            list_nodes(limit=1, timeout=5, raise_on_missing_output=False)
+            _STATE_API[gcs] = True
+        except RayStateApiException:
+            _STATE_API[gcs] = False
+    return _STATE_API[gcs]
+
+
+def _torch_trainer_class() -> type:
+    """``TorchTrainer``, without Ray Train's ``PlacementGroupCleaner`` where the cluster has no State API.
+
+    The cleaner is a detached actor per run that asks the State API every second whether the controller
+    is still alive, to free the workers' placement group if it died. Without a dashboard every one of those
+    questions fails: it can never act, logs a warning each second, and costs each run one more actor
+    process.
+    """
+    from ray.train.torch import TorchTrainer
+
+    try:
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:  # another Ray Train layout: keep its defaults
+        return TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if state_api_available():
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return Trainer

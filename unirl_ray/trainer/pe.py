@@ -68,6 +68,7 @@ from unirl_ray.core.sample import DiffusionPart, Sample, TextPart, part_advantag
 from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
 from unirl_ray.rollout.trainside import TrainsideRollout
 from unirl_ray.rollout.weight_sync import TensorWeightSync
+from unirl_ray.runtime.serve import delete_apps
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
 from unirl_ray.trainer.diffusion import check_image_size
 from unirl_ray.trainer.rl import RLTrainer, _in_background, _split, backend_configs, engine_sections
@@ -276,10 +277,8 @@ class PETrainer(RLTrainer):
                 self.engines[name] = self._engine_deploys.pop(name).result(timeout=self.engine_cfgs[name].timeout_s + 120)
             except Exception as exc:  # noqa: BLE001 - raised below, once every deploy has ended
                 errors.append(exc)
-                from ray import serve
-
                 try:
-                    serve.delete(self._side_app(name))
+                    delete_apps([self._side_app(name)])
                 except Exception:  # noqa: BLE001 - best effort
                     pass
         if errors:

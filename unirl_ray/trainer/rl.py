@@ -41,6 +41,7 @@ from unirl_ray.algorithms.credit import CreditAssignment
 from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
+from unirl_ray.runtime.serve import delete_apps
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
 
 log = logging.getLogger(__name__)
@@ -215,19 +216,21 @@ class RLTrainer(BaseTrainer):
             self._await_reward()
         except Exception as exc:  # noqa: BLE001 - setup already failed; the deploy removes an app that never got ready
             log.warning("the reward app's deploy failed: %s", exc)
-        for service in [*self.engine_services(), getattr(self, "reward", None)]:
-            if service is not None:
-                service.shutdown()
+        services = [s for s in [*self.engine_services(), getattr(self, "reward", None)] if s is not None]
+        try:  # every app at once (each deletion waits for its replicas to stop), then each service's own cleanup
+            delete_apps([name for s in services for name in s.app_names()])
+        except Exception as exc:  # noqa: BLE001 - each shutdown below deletes its own apps again, and says so
+            log.warning("deleting this run's Serve apps: %s", exc)
+        for service in services:
+            service.shutdown()
 
     def await_engines(self) -> None:
         """Wait for the engine's background deploy; one that failed is deleted and its error raised."""
         try:
             self._await_engine()
         except Exception:
-            from ray import serve
-
             try:
-                serve.delete(self._engine_app_name())
+                delete_apps([self._engine_app_name()])
             except Exception:  # noqa: BLE001 - best effort
                 pass
             raise

@@ -161,7 +161,7 @@ def test_a_failed_worker_start_leaves_no_serve_app(ray_local, tmp_path):
     for those deploys and removes the apps, and the workers that were still starting stop at once."""
     from ray import serve
 
-    trainer = make(ARTrainer, ENGINE, tmp_path, "failed-start", "trainer.num_steps=2", "+ray.start_timeout_s=0.5")
+    trainer = make(ARTrainer, ENGINE, tmp_path, "failed-start", "trainer.num_steps=2", "+ray.start_timeout_s=0.5", *ONE_WORKER)
     with pytest.raises(TimeoutError, match="train workers started within"):
         trainer.fit()
     apps = serve.status().applications

@@ -121,6 +121,9 @@ def test_resume_continues_both_sides_exactly(straight, tmp_path):
 
 
 ENGINE = "{_target_: unirl_ray.rollout.DedicatedRollout, engine: hf, placement: %s, ray_actor_options: {num_cpus: 0.5}}"
+# The frozen-mode runs check the engines and what each side learns, not ranks (the straight run has two):
+# one train worker with both CPUs starts faster.
+ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
 
 
 def engine_checks(trainer, side, per_step, colocated, last):
@@ -147,7 +150,8 @@ def test_freeze_llm_trains_only_the_image_model_on_its_engine(ray_local, tmp_pat
     frozen rewriter writes on the train ranks (image reward only, advantages over all images of a prompt)."""
     trainer = make(PETrainer, RECIPE, tmp_path, "pe-freeze-llm", "trainer.num_steps=8", *COMMON,
                    "trainer.freeze_llm=true", "reward.rewards.length.weight=0", "trainer.diffusion_group_scope=prompt",
-                   "tracking.log_samples_every=0", f"diffusion.rollout={ENGINE % 'separate'}", experiment="e2e-pe")
+                   "tracking.log_samples_every=0", f"diffusion.rollout={ENGINE % 'separate'}", *ONE_WORKER,
+                   experiment="e2e-pe")
     sides = trainer.rank_sections()["sides"]
     assert "rollout" not in sides["diffusion"] and "backend" not in sides["ar"] and "rollout" in sides["ar"]
     drive(trainer, 8, engine_checks(trainer, "diffusion", 2 * 8 * 2, colocated=False, last=8))
@@ -167,7 +171,7 @@ def test_freeze_diffusion_trains_only_the_rewriter_on_a_colocated_engine(ray_loc
     trainer = make(PETrainer, RECIPE, tmp_path, "pe-freeze-diffusion", f"trainer.num_steps={steps}", *COMMON,
                    "trainer.freeze_diffusion=true", "trainer.rewrite_reward=max", "tracking.log_samples_every=0",
                    "ar.backend.optimizer_cfg.learning_rate=4e-2", f"ar.rollout={ENGINE % 'colocated'}",
-                   experiment="e2e-pe")
+                   *ONE_WORKER, experiment="e2e-pe")
     drive(trainer, steps, engine_checks(trainer, "ar", 2 * 8, colocated=True, last=steps))
     assert_rises(trainer, spreads=2.0)
     assert trainer.policy_version == {"ar": steps, "diffusion": 0}

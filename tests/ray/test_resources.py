@@ -40,3 +40,22 @@ def test_a_second_live_run_of_the_same_name_is_refused_before_it_deploys_anythin
         run_lock.RELEASE_WAIT_S = wait
         run_lock.release(held)
     run_lock.release(run_lock.acquire("twin"))  # released: the name is free again at once
+
+
+def test_no_placement_group_cleaner_without_a_state_api(ray_local):
+    """Ray Train's PlacementGroupCleaner asks the State API every second whether the controller lives; the
+    local Ray of the tests (like the embedded one) has no dashboard, so each question fails and the
+    cleaner could only warn. The train group's TorchTrainer leaves it out there, and keeps the rest."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from unirl_ray.runtime.train_group import _torch_trainer_class, state_api_available
+
+    assert not state_api_available()
+    cls = _torch_trainer_class()
+    assert issubclass(cls, TorchTrainer)
+    default = [type(c) for c in TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))._create_default_callbacks()]
+    ours = [type(c) for c in cls(lambda: None, scaling_config=ScalingConfig(num_workers=1))._create_default_callbacks()]
+    assert PlacementGroupCleanerCallback in default
+    assert ours == [c for c in default if c is not PlacementGroupCleanerCallback]

@@ -53,7 +53,8 @@ def acquire(run_name: str, timeout_s: float = 30.0) -> Any:
                 f"store and folder carry that name. Choose another trainer.run_name, or wait for / stop that job "
                 f"(ray job stop {other.get('job_id', '<id>')}, or end its notebook kernel) to resume this one"
             ) from None
-    ray.get(actor.info.remote(), timeout=timeout_s)  # registered before anything else of the run starts
+    # The name is registered (or refused, above) by .remote() itself; the actor's process starts while the
+    # run deploys its services (waiting for it here put a process start before everything else).
     return actor
 
 

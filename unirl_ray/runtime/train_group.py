@@ -8,6 +8,7 @@ short slices so that a dead ``fit()`` or a missed deadline surfaces as an except
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -220,13 +221,14 @@ def state_api_available() -> bool:
     return _STATE_API[gcs]
 
 
+@functools.cache
 def _torch_trainer_class() -> type:
     """``TorchTrainer``, without Ray Train's ``PlacementGroupCleaner`` where the cluster has no State API.
 
     The cleaner is a detached actor per run that asks the State API every second whether the controller
     is still alive, to free the workers' placement group if it died. Without a dashboard every one of those
     questions fails: it can never act, logs a warning each second, and costs each run one more actor
-    process.
+    process. One class per process (built on first use, so importing this module does not import Ray Train).
     """
     from ray.train.torch import TorchTrainer
 

@@ -80,6 +80,17 @@ def artifacts(trainer: Any, folder: str | None = None) -> list[str]:
 
 
 # ------------------------------------------------------------------ driving a rank or a trainer by hand
+def sample_table(trainer: Any, path: str) -> dict[str, Any]:
+    """A JSON artifact (an MLflow table: ``columns`` and ``data``) of the trainer's MLflow run."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    local = MlflowClient(trainer.tracker.tracking_uri).download_artifacts(trainer.tracker.run_id, path)
+    with open(local) as f:
+        return json.load(f)
+
+
 def rollout_requests(prompt: str, n: int = 2, prefix: str = "s1") -> list[dict[str, Any]]:
     """``n`` rollout requests of one group for ``prompt``, as a trainer sends them to a rank's ``generate``
     (sample ids ``<prefix>-<i>``, seed ``i``, one group seed)."""
@@ -133,3 +144,34 @@ def kill_engine_replica(engine: Any) -> int:
     pid = engine.status()[0]["replica"]
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+# ------------------------------------------------------------ without Ray
+class InProcessGroup:
+    """One rank, commands and results pickled as ``TrainGroup.call`` carries them."""
+
+    world_size = 1
+
+    def __init__(self, rank: Any) -> None:
+        self.rank = rank
+
+    def call(self, op: str, payloads: Any) -> list[Any]:
+        import pickle
+
+        from unirl_ray.runtime.operations import dispatch
+
+        payloads = payloads if isinstance(payloads, list) else [payloads]
+        return [pickle.loads(pickle.dumps(dispatch(self.rank, op, pickle.loads(pickle.dumps(p))))) for p in payloads]
+
+
+class Prompts:
+    """The prompt source's contract (``next_batch``) over a list, so that no Ray Data job starts here."""
+
+    def __init__(self, prompts: list[str]) -> None:
+        self.prompts, self.offset = prompts, 0
+
+    def next_batch(self, n: int) -> list[dict[str, Any]]:
+        rows = [{"prompt": self.prompts[(self.offset + i) % len(self.prompts)], "row_index": self.offset + i}
+                for i in range(n)]
+        self.offset += n
+        return rows

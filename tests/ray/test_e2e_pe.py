@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 import pytest
-from support import artifacts, attempts, drive, fit, kill_rank, logged, make, recipe_path
+from support import artifacts, attempts, drive, fit, kill_rank, logged, make, recipe_path, sample_table
 
 from unirl_ray.trainer.pe import PETrainer
 
@@ -36,16 +36,6 @@ def assert_rises(trainer, spreads=3.0):
     first, last = np.mean([rewards[s] for s in steps[:3]]), np.mean([rewards[s] for s in steps[-3:]])
     spread = np.mean([stds[s] for s in steps[:3]])
     assert last - first > spreads * spread, (first, last, spread, [rewards[s] for s in steps])
-
-
-def sample_table(trainer, path):
-    import json
-
-    from mlflow.tracking import MlflowClient
-
-    local = MlflowClient(trainer.tracker.tracking_uri).download_artifacts(trainer.tracker.run_id, path)
-    with open(local) as f:
-        return json.load(f)
 
 
 def checkpoint_sides(storage, name, step):

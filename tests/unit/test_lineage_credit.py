@@ -60,7 +60,22 @@ def test_max_pooling_prompt_scope_std_normalisation_and_bad_input():
         LineageCredit().assign(samples([[1.0, 2.0]], ids=False))
     with pytest.raises(ValueError, match="rewrite_reward must be one of 'mean' or 'max'"):
         LineageCredit(rewrite_reward="sum")
-    with pytest.raises(ValueError, match="image_group_scope must be one of 'rewrite' or 'prompt'"):
+    with pytest.raises(ValueError, match="image_group_scope must be one of 'rewrite', 'prompt' or 'shared'"):
         LineageCredit(image_group_scope="batch")
     with pytest.raises(ValueError, match="no DiffusionPart of stage 'image'"):
         LineageCredit(image_stage="image").assign(samples([[1.0, 2.0]]))
+
+
+def test_shared_scope_gives_each_image_its_text_segments_advantage():
+    """UniGRPO's shared advantage (the unified model with one image per think segment): the image Part trains on
+    its text's advantage; an image whose own reward is invalid gets 0 and stays out of its text's reward."""
+    batch = samples([[1.0], [3.0], [2.0], [None]])  # four texts of one prompt, one image each
+    metrics = LineageCredit(image_group_scope="shared", normalize_std=False).assign(batch)
+    assert [text(s).reward for s in batch] == [1.0, 3.0, 2.0, None]
+    assert [text(s).advantage for s in batch] == [-1.0, 1.0, 0.0, 0.0]  # mean of the valid ones is 2
+    assert [image(s).advantage for s in batch] == [-1.0, 1.0, 0.0, 0.0]
+    assert all(s.advantage is None for s in batch)
+    two = samples([[1.0, 3.0], [0.0, 0.0]])  # two images per text: both images of a text share its advantage
+    LineageCredit(image_group_scope="shared", normalize_std=False).assign(two)
+    assert [image(s).advantage for s in two] == [1.0, 1.0, -1.0, -1.0]
+    assert metrics["credit/ar/rewrites"] == 4.0 and "credit/diffusion/adv_mean" in metrics

@@ -9,15 +9,12 @@ recipe errors the driver raises before anything starts.
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
-from support import load, recipe_path
+from support import InProcessGroup, Prompts, load, recipe_path
 
 from unirl_ray.config.recipe import RecipeError
 from unirl_ray.core.sample import DiffusionPart, TextPart
-from unirl_ray.runtime.operations import dispatch
 from unirl_ray.train.configs import TrainTopology
 from unirl_ray.train.rank import StackWorker
 from unirl_ray.trainer.pe import PETrainer
@@ -27,19 +24,6 @@ SMALL = ("ray.scaling.num_workers=1", "trainer.prompts_per_step=1", "ar.algorith
          "diffusion.algorithm.group_size=2", "diffusion.pipeline.num_inference_steps=2",
          "ar.stack.mini_batch_size=2", "ar.stack.micro_batch_size=2", "diffusion.stack.mini_batch_size=4",
          "diffusion.stack.micro_batch_size=4", "ar.pipeline.max_new_tokens=6")
-
-
-class InProcessGroup:
-    """One rank, commands and results pickled as ``TrainGroup.call`` carries them."""
-
-    world_size = 1
-
-    def __init__(self, rank):
-        self.rank = rank
-
-    def call(self, op, payloads):
-        payloads = payloads if isinstance(payloads, list) else [payloads]
-        return [pickle.loads(pickle.dumps(dispatch(self.rank, op, pickle.loads(pickle.dumps(p))))) for p in payloads]
 
 
 class LocalReward:
@@ -54,19 +38,6 @@ class LocalReward:
             s.rewards = {"bright": float(s.image.mean()) / 255.0, "len": -abs(8 - len(s.columns["completions"])) / 8}
             s.reward = s.rewards["bright"] + 0.1 * s.rewards["len"]
         return {"reward/mean": sum(s.reward for s in samples) / len(samples)}
-
-
-class Prompts:
-    """The prompt source's contract (``next_batch``) over a list, so that no Ray Data job starts here."""
-
-    def __init__(self, prompts):
-        self.prompts, self.offset = prompts, 0
-
-    def next_batch(self, n):
-        rows = [{"prompt": self.prompts[(self.offset + i) % len(self.prompts)], "row_index": self.offset + i}
-                for i in range(n)]
-        self.offset += n
-        return rows
 
 
 def driver(tmp_path, *overrides):

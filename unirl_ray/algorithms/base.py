@@ -38,6 +38,10 @@ class LossContext:
     world_size: int = 1
     """Data-parallel ranks; FSDP averages gradients over them, so a global sum-normalised loss
     multiplies by ``world_size / global_units`` to be normalised by the global count."""
+    loss_weight: float = 1.0
+    """This stage's weight in a ``UnifiedModelTrainStack`` step (1 in a single-stage stack). Informational:
+    the stack has already folded it into ``loss_scale`` and ``global_units``, so a loss normalised either
+    way carries it without reading this field."""
 
 
 class StageAlgorithm(ABC):

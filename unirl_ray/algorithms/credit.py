@@ -55,13 +55,16 @@ class CreditAssignment:
 class LineageCredit(CreditAssignment):
     """Credit along a Part's lineage: a prompt -> N rewrites -> M images per rewrite (the prompt enhancer).
 
+    The unified model's samples have the same shape (a think segment -> the images drawn from it).
+
     Every sample is one image: its Parts are the rewrite it was drawn from (a ``TextPart`` of stage
     ``text_stage``; the M images of one rewrite carry Parts with the same ``part_id``) and the image (a
     ``DiffusionPart`` of stage ``image_stage``); ``group_id`` is the prompt. ``sample.reward`` is the image's
     weighted reward. Then:
 
     - each image Part's reward is its sample's; its advantage is group-relative over the images of its
-      rewrite (``image_group_scope: rewrite``, M per group) or of its prompt (``prompt``, N x M);
+      rewrite (``image_group_scope: rewrite``, M per group) or of its prompt (``prompt``, N x M), or is its
+      rewrite's advantage (``shared``: UniGRPO's shared advantage, what one image per text segment needs);
     - each rewrite's reward is the ``rewrite_reward`` (``mean`` or ``max``) of its images' valid rewards,
       and its advantage is group-relative over the N rewrites of its prompt; every copy of the rewrite
       Part (one per image) gets those two values.
@@ -72,7 +75,7 @@ class LineageCredit(CreditAssignment):
     """
 
     def __init__(self, *, text_stage: str = "ar", image_stage: str = "diffusion",
-                 rewrite_reward: Literal["mean", "max"] = "mean", image_group_scope: Literal["rewrite", "prompt"] = "rewrite",
+                 rewrite_reward: Literal["mean", "max"] = "mean", image_group_scope: Literal["rewrite", "prompt", "shared"] = "rewrite",
                  normalize_std: bool = True) -> None:
         from unirl_ray.config.checks import check_literal_args
 
@@ -95,13 +98,6 @@ class LineageCredit(CreditAssignment):
             rewrite_of.append((s.group_id, text.part_id))
 
         rewards = [s.reward for s in samples]
-        scope = rewrite_of if self.image_group_scope == "rewrite" else [(g, "") for g, _ in rewrite_of]
-        image_adv, image_metrics = group_advantages(rewards, [f"{g}\x00{r}" for g, r in scope],
-                                                    normalize_std=self.normalize_std)
-        for s, part, adv in zip(samples, images, image_adv):
-            part.reward, part.advantage = s.reward, adv
-            s.advantage = None  # every Part has its own: nothing trains on a sample-level value
-
         members: dict[tuple[str, str], list[float]] = {}
         for key, r in zip(rewrite_of, rewards):
             members.setdefault(key, [])
@@ -114,6 +110,17 @@ class LineageCredit(CreditAssignment):
         value = {key: (r, a) for key, r, a in zip(keys, pooled, rewrite_adv)}
         for key, part in zip(rewrite_of, texts):
             part.reward, part.advantage = value[key]
+
+        if self.image_group_scope == "shared":  # an image with an invalid reward of its own still learns nothing
+            image_adv = [value[key][1] if r is not None and math.isfinite(r) else 0.0 for key, r in zip(rewrite_of, rewards)]
+            image_metrics = {k: v for k, v in rewrite_metrics.items()}
+        else:
+            scope = rewrite_of if self.image_group_scope == "rewrite" else [(g, "") for g, _ in rewrite_of]
+            image_adv, image_metrics = group_advantages(rewards, [f"{g}\x00{r}" for g, r in scope],
+                                                        normalize_std=self.normalize_std)
+        for s, part, adv in zip(samples, images, image_adv):
+            part.reward, part.advantage = s.reward, adv
+            s.advantage = None  # every Part has its own: nothing trains on a sample-level value
         return {**_under(f"credit/{self.image_stage}", image_metrics), **_under(f"credit/{self.text_stage}", rewrite_metrics),
                 f"credit/{self.text_stage}/rewrites": float(len(keys))}
 

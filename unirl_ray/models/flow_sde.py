@@ -303,10 +303,23 @@ class FlowSDEPipeline(abc.ABC):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
         if not prompts:
             return []
+        return self.sample_from_cond(self.encode_prompts(prompts), seeds, module=module, group_seeds=group_seeds)
+
+    @torch.no_grad()
+    def sample_from_cond(
+        self,
+        cond: dict[str, torch.Tensor],
+        seeds: list[int],
+        *,
+        module: torch.nn.Module | None = None,
+        group_seeds: list[int] | None = None,
+    ) -> list[tuple[DiffusionPart, np.ndarray]]:
+        """``sample`` from conditioning tensors [B, ...] keyed as ``_cond_keys()`` instead of prompt strings
+        (a unified model conditions on the token ids it generated itself)."""
         module = self.bundle.transformer if module is None else module
         device = module_device(module)
-        cond = {k: v.to(device) for k, v in self.encode_prompts(prompts).items()}
-        b, steps = len(prompts), self.num_inference_steps
+        cond = {k: v.to(device) for k, v in cond.items()}
+        b, steps = len(seeds), self.num_inference_steps
         sigmas = self._sigmas.to(device).expand(b, -1)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         sde = self.sde_steps(seeds).to(device)

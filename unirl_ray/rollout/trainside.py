@@ -71,6 +71,9 @@ class TrainsideRollout:
         """``requests``: dicts with ``sample_id, group_id, prompt, columns, seed`` (and ``group_seed``)."""
         samples: list[Sample] = []
         with self._sampling_module() as module:
+            if hasattr(self.pipeline, "sample_requests"):  # several Parts per sample (the unified model)
+                outputs = self.pipeline.sample_requests(requests, module=module, micro_batch_size=self.micro_batch_size)
+                return samples_from_outputs(requests, outputs, policy_version)
             for start in range(0, len(requests), self.micro_batch_size):
                 chunk = requests[start : start + self.micro_batch_size]
                 prompts, seeds = [r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk]
@@ -90,14 +93,15 @@ def group_kwargs(pipeline: Any, requests: list[dict[str, Any]]) -> dict[str, Any
 
 
 def samples_from_outputs(requests: list[dict[str, Any]], outputs: list[tuple[Any, Any]], policy_version: int) -> list[Sample]:
-    """Samples from a pipeline's ``(part, media)`` outputs for the requests that produced them."""
+    """Samples from a pipeline's ``(part, media)`` outputs (``part``: one Part or the list of a sample's Parts)
+    for the requests that produced them."""
     return [
         Sample(
             sample_id=request["sample_id"],
             group_id=request["group_id"],
             prompt=request["prompt"],
             columns=dict(request.get("columns") or {}),
-            parts=[part],
+            parts=list(part) if isinstance(part, (list, tuple)) else [part],
             image=media if isinstance(media, np.ndarray) else None,
             policy_version=policy_version,
         )

@@ -96,7 +96,7 @@ INTERNAL_MODULES = (
 )
 """Plumbing that a recipe never names (a name here covers its sub-modules)."""
 
-INTERNAL_CLASSES = ("unirl_ray.rollout.dedicated.DedicatedEngine",)
+INTERNAL_CLASSES = ("unirl_ray.rollout.dedicated.DedicatedEngine", "unirl_ray.models.unified.model.UnifiedTransformer")
 """Classes of documented modules that a recipe never names."""
 
 RECIPE_FACTORIES = ("from_config",)

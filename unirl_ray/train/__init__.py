@@ -1,4 +1,5 @@
-"""The train side: FSDPBackend (owns the model) and TrainStack (owns loss/backward ordering)."""
+"""The train side: FSDPBackend (owns the model) and TrainStack / UnifiedModelTrainStack (own the loss/backward
+ordering of one stage / of several stages over one backend)."""
 
 from unirl_ray.train.backend.fsdp import FSDPBackend
 from unirl_ray.train.configs import (
@@ -10,7 +11,7 @@ from unirl_ray.train.configs import (
     OptimizerConfig,
     TrainTopology,
 )
-from unirl_ray.train.stack import TrainStack
+from unirl_ray.train.stack import TrainStack, UnifiedModelTrainStack
 
 __all__ = [
     "EmaFullConfig",
@@ -22,4 +23,5 @@ __all__ = [
     "OptimizerConfig",
     "TrainStack",
     "TrainTopology",
+    "UnifiedModelTrainStack",
 ]

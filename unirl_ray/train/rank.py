@@ -6,9 +6,14 @@ rollout. Each side is built once per worker from its recipe sections, in the see
     bundle    = build(bundle_cfg)
     pipeline  = build(pipeline_cfg, bundle=bundle)
     backend   = build(backend_cfg, bundle=bundle)            # FSDPBackend
-    algorithm = build(algorithm_cfg, pipeline=pipeline)      # StageAlgorithm
+    algorithm = build(algorithm_cfg, pipeline=pipeline)      # StageAlgorithm, or {stage: StageAlgorithm}
     stack     = build(stack_cfg, fsdp_backend=backend, algorithm=algorithm)
     rollout   = build(rollout_cfg, pipeline=pipeline, backend=backend)   # trainside rollout
+
+A side's ``algorithm:`` may map stage names to algorithms (``{text: GRPO, image: FlowGRPO}``): several
+stages over one backend, trained by a ``UnifiedModelTrainStack`` in one optimizer step (the unified
+model); each stage's algorithm gets the pipeline's view of its stage (``pipeline.stage_pipelines``) and
+the Parts the pipeline names with its stage.
 
 A flat recipe (``bundle``, ``pipeline``, ... at the top) is one implicit side; its checkpoints, policy
 version and exports are what they always were. A recipe with ``sides: {ar: {...}, diffusion: {...}}``
@@ -50,6 +55,11 @@ SIDE_SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack", "rollout
 """The sections a side is built from (``bundle`` and ``pipeline`` required)."""
 
 
+def is_stage_mapping(cfg: Any) -> bool:
+    """Whether an ``algorithm:`` section maps stage names to algorithm configs (no ``_target_`` of its own)."""
+    return isinstance(cfg, dict) and "_target_" not in cfg and bool(cfg) and all(isinstance(v, dict) for v in cfg.values())
+
+
 class Side:
     """One named side of a train rank (see the module docstring)."""
 
@@ -64,13 +74,41 @@ class Side:
         self.backend = self.algorithm = self.stack = None
         if sections.get("backend") is not None:
             self.backend = instantiate(sections["backend"], bundle=self.bundle)
-            self.algorithm = instantiate(sections["algorithm"], pipeline=self.pipeline)
-            self.algorithm.stage = stage
+            self.algorithm = self._algorithms(sections["algorithm"])
             self.stack = instantiate(sections["stack"], fsdp_backend=self.backend, algorithm=self.algorithm)
-            self.backend.setup(topology=topology, device=device, needs_reference=self.algorithm.needs_reference)
+            needs_reference = any(a.needs_reference for a in self.stage_algorithms().values())
+            self.backend.setup(topology=topology, device=device, needs_reference=needs_reference)
         self.rollout = None
         if sections.get("rollout") is not None:
             self.rollout = instantiate(sections["rollout"], pipeline=self.pipeline, backend=self.backend)
+
+    def _algorithms(self, cfg: Any) -> Any:
+        """The side's ``StageAlgorithm``, or ``{stage: StageAlgorithm}`` when ``algorithm:`` maps stages to algorithms
+        (several stages over one backend: ``UnifiedModelTrainStack``); each stage's algorithm gets its view of
+        the pipeline (``pipeline.stage_pipelines[stage]``) and trains the Parts of its stage."""
+        if not is_stage_mapping(cfg):
+            algorithm = instantiate(cfg, pipeline=self.pipeline)
+            algorithm.stage = self.stage
+            return algorithm
+        views = getattr(self.pipeline, "stage_pipelines", None)
+        if not isinstance(views, dict):
+            raise ValueError(f"side {self.name!r}: algorithm maps stages ({', '.join(cfg)}) to algorithms, but "
+                             f"{type(self.pipeline).__name__} has no stages (stage_pipelines); give one algorithm")
+        unknown = sorted(set(cfg) - set(views))
+        if unknown:
+            raise ValueError(f"side {self.name!r}: algorithm names stage(s) {', '.join(unknown)}, but "
+                             f"{type(self.pipeline).__name__} has stages {', '.join(views)}")
+        algorithms = {}
+        for stage_name, stage_cfg in cfg.items():
+            algorithms[stage_name] = instantiate(stage_cfg, pipeline=views[stage_name])
+            algorithms[stage_name].stage = stage_name
+        return algorithms
+
+    def stage_algorithms(self) -> dict[str | None, Any]:
+        """``{stage: algorithm}`` of a multi-stage side, ``{side stage: algorithm}`` otherwise (empty: rollout-only)."""
+        if self.algorithm is None:
+            return {}
+        return dict(self.algorithm) if isinstance(self.algorithm, dict) else {self.stage: self.algorithm}
 
     @staticmethod
     def check_sections(name: str, sections: dict[str, Any]) -> None:
@@ -177,7 +215,8 @@ class StackWorker:
         samples = chosen.rollout.generate(requests, policy_version=chosen.policy_version)
         for sample in samples:
             for part in sample.parts:
-                part.stage = chosen.stage
+                if part.stage is None:  # a multi-stage pipeline names its Parts' stages itself
+                    part.stage = chosen.stage
         self._cache.update((s.sample_id, s) for s in samples)
         return [s.light() for s in samples]
 
@@ -225,14 +264,20 @@ class StackWorker:
             for chosen in sides:
                 side_seed = seed if self.implicit else zlib.crc32(f"{seed}:{chosen.name}".encode())
                 mine = shards[chosen.name]
-                if not self.implicit:
+                if isinstance(chosen.algorithm, dict):  # per stage, each distinct Part once (the stack's view)
+                    advantages[chosen.name] = {stage: [part_advantage(s, a.part_of(s)) for s in chosen.stack.stage_samples(stage, mine)]
+                                               for stage, a in chosen.algorithm.items()}
+                elif not self.implicit:
                     advantages[chosen.name] = [part_advantage(s, chosen.algorithm.part_of(s)) for s in mine]
                 results[chosen.name] = chosen.stack.train(mine, seed=side_seed)
         finally:
             self._cache.clear()
         if self.implicit:
             result = results[IMPLICIT_SIDE]
-            return {"metrics": result.metrics, "policy_version": result.policy_version, "num_samples": result.num_samples}
+            out = {"metrics": result.metrics, "policy_version": result.policy_version, "num_samples": result.num_samples}
+            if IMPLICIT_SIDE in advantages:  # a multi-stage side: {stage: [advantage of each trained Part]}
+                out["advantages"] = advantages[IMPLICIT_SIDE]
+            return out
         return {
             "metrics": {f"{name}/{key}": value for name, r in results.items() for key, value in r.metrics.items()},
             "policy_version": {name: r.policy_version for name, r in results.items()},

@@ -563,9 +563,16 @@ def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
     def get(key: str) -> float:
         return float(metrics.get(key, float("nan")))
 
+    def per_stage(key: str, fmt: str) -> str:
+        """``metrics[key]``, else ``<stage> value`` for every ``<stage>/<key>`` (several sides or stages)."""
+        if key in metrics or not any(k.endswith("/" + key) for k in metrics):
+            return format(get(key), fmt)
+        return " ".join(f"{k[: -len(key) - 1]} {format(float(v), fmt)}" for k, v in sorted(metrics.items())
+                        if k.endswith("/" + key) and k.count("/") == key.count("/") + 1)
+
     return (
         f"step {step}/{total} | reward {get('reward/mean'):.4f} ± {get('reward/std'):.4f} | "
-        f"loss {get('train/loss'):.4g} | clip {get('algo/clip_frac'):.3f} | "
+        f"loss {per_stage('train/loss', '.4g')} | clip {per_stage('algo/clip_frac', '.3f')} | "
         f"rollout {get('timing/rollout'):.2f}s reward {get('timing/reward'):.2f}s train {get('timing/train'):.2f}s | "
         f"{get('perf/samples_per_s'):.1f} samples/s"
     )

@@ -94,8 +94,8 @@ class RLTrainer(BaseTrainer):
         if self.reward_cfg.image_prompt != "original":
             raise RecipeError(f"reward.image_prompt={self.reward_cfg.image_prompt!r} is for prompt-enhancer recipes "
                               f"(an image drawn from a rewrite); a {self.domain} recipe has one prompt per sample: drop it")
-        self.algorithm = self._build("algorithm")  # driver copy: advantages only (no pipeline)
-        self.group_size = int(getattr(self.algorithm, "group_size", 1))
+        self.algorithm = self.driver_algorithm()  # driver copy: advantages only (no pipeline)
+        self.group_size = self.samples_per_prompt()
         stack = self._build("stack")
         self.bundle_cfg = instantiate(recipe.bundle.config) if "config" in recipe.bundle else None
         self.backend_cfgs = backend_configs(recipe.backend, self.algorithm, self.ray_cfg.num_workers)
@@ -118,6 +118,14 @@ class RLTrainer(BaseTrainer):
             raise RecipeError(str(exc)) from None
         self.eval_source = self._eval_source()
         self.validate_model()
+
+    def driver_algorithm(self) -> Any:
+        """The driver's copy of the recipe's algorithm (credit assignment and checks; no pipeline)."""
+        return self._build("algorithm")
+
+    def samples_per_prompt(self) -> int:
+        """Samples drawn per prompt each step: the algorithm's ``group_size``."""
+        return int(getattr(self.algorithm, "group_size", 1))
 
     def _eval_source(self) -> Any:
         """The held-out prompts of ``trainer.eval_*`` (file order), or None when evaluation is off."""
@@ -436,9 +444,10 @@ def backend_configs(backend: Any, algorithm: Any, num_workers: int, where: str =
     """The backend section's configs, built on the driver (``{name: config}`` of those set), checked against
     the algorithm and the worker count; ``RecipeError`` naming ``where`` when they do not fit together."""
     cfgs = {name: instantiate(backend[name]) for name in BACKEND_CONFIGS if backend.get(name) is not None}
-    if getattr(algorithm, "needs_shadow_policy", False) and "ema_lora_cfg" not in cfgs:
-        raise RecipeError(f"algorithm {type(algorithm).__name__} trains against the EMA shadow adapter (its old "
-                          f"policy): set {where}.ema_lora_cfg (_target_: unirl_ray.train.configs.EmaLoraConfig)")
+    for alg in algorithm.values() if isinstance(algorithm, dict) else [algorithm]:  # {stage: algorithm} too
+        if getattr(alg, "needs_shadow_policy", False) and "ema_lora_cfg" not in cfgs:
+            raise RecipeError(f"algorithm {type(alg).__name__} trains against the EMA shadow adapter (its old "
+                              f"policy): set {where}.ema_lora_cfg (_target_: unirl_ray.train.configs.EmaLoraConfig)")
     if "lora_cfg" in cfgs and "ema_lora_cfg" in cfgs:
         raise RecipeError(f"{where}.lora_cfg and {where}.ema_lora_cfg are both set: EmaLoraConfig already injects "
                           "the LoRA adapters (plus their EMA shadow); keep only ema_lora_cfg")

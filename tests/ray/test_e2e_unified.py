@@ -6,7 +6,9 @@ Train restarts the worker group, the workers load the step-4 checkpoint, step 5 
 numbers: checkpoint + resume exact). Both stages train in one optimizer step on every step; the driver
 checks that each rank trained each Part on the advantage it assigned; the ratio is 1 at the start of each
 stage's step (``logp_gap``). Right after the last step the live ranks sample fixed requests; the model the
-run exports reloads from its folder and gives the same text and image.
+run exports reloads from its folder and gives the same text and image. The Janus-Pro family (discrete image
+tokens, both stages GRPO) runs 10 steps on 2 workers: it learns, both stages train every step, its export
+reloads and gives the live outputs.
 """
 
 import numpy as np
@@ -100,3 +102,52 @@ def test_the_export_reloads_from_its_folder_and_gives_the_live_outputs(run):
         assert np.abs(image.astype(int) - sample.image.astype(int)).max() <= 1  # ... and the same image
     fresh = UnifiedBundle.from_config(UnifiedConfig())
     assert not torch.equal(fresh.transformer.velocity_head.weight, bundle.transformer.velocity_head.weight)  # trained
+
+
+JANUS = recipe_path("unified", "tiny", "janus_tiny.yaml")
+JANUS_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def janus_run(ray_local, tmp_path_factory):
+    """The Janus-Pro family (discrete image tokens, both stages GRPO) on 2 workers; the live ranks sample LIVE
+    right after the last step."""
+    storage = tmp_path_factory.mktemp("janus")
+    trainer = make(UnifiedModelTrainer, JANUS, storage, "janus", f"trainer.num_steps={JANUS_STEPS}",
+                   "trainer.checkpoint_every=100", "tracking.log_samples_every=0",
+                   f"+trainer.export_dir={storage / 'export'}", experiment="e2e-unified")
+    live, original = [], trainer.train
+
+    def train(samples, *, seed):
+        out = original(samples, seed=seed)
+        if trainer.prompt_log[-1][0] == JANUS_STEPS:
+            shards = trainer.group.call("eval_generate", [{"requests": [r]} for r in LIVE])
+            live.extend(s for shard in shards for s in shard)
+        return out
+
+    trainer.train = train
+    trainer.fit()
+    return trainer, storage, live
+
+
+def test_janus_learns_both_token_stages_in_one_step_and_its_export_gives_the_live_outputs(janus_run):
+    from unirl_ray.core.sample import TextPart, routed_part
+    from unirl_ray.models.janus import JanusBundle, JanusModelConfig, JanusPipeline
+
+    trainer, storage, live = janus_run
+    rewards, stds = logged(trainer, "reward/mean"), logged(trainer, "reward/std")
+    steps = sorted(rewards)
+    first, last = np.mean([rewards[s] for s in steps[:3]]), np.mean([rewards[s] for s in steps[-3:]])
+    spread = np.mean([stds[s] for s in steps[:3]])
+    print(f"janus reward {first:.4f} -> {last:.4f} (within-step spread {spread:.4f}): {[round(rewards[s], 3) for s in steps]}")
+    assert last - first > 3 * spread, (first, last, spread, rewards)
+    assert set(logged(trainer, "unified/advantages_checked").values()) == {float(PER_STEP)}
+    for stage in ("text", "image"):  # both token stages trained on every step, on-policy (ratio 1 at step start)
+        assert max(logged(trainer, f"{stage}/rollout/logp_gap").values()) < 1e-4, stage
+        assert set(logged(trainer, f"{stage}/train/parts").values()) == {8.0}, stage
+    bundle = JanusBundle.from_config(JanusModelConfig(pretrained_model_path=str(storage / "export")))
+    pipeline_cfg = {k: v for k, v in dict(trainer.recipe.pipeline).items() if k != "_target_"}
+    out = JanusPipeline(bundle, **pipeline_cfg).sample_requests(LIVE)
+    for sample, (parts, image) in zip(live, out):
+        assert parts[0].text == routed_part(sample, TextPart, "text").text
+        assert np.abs(image.astype(int) - sample.image.astype(int)).max() <= 1

@@ -210,3 +210,53 @@ def test_a_rank_built_from_the_recipe_trains_both_stages_and_reports_their_advan
     assert out["advantages"] == {"text": want, "image": want}  # shared: the image takes its segment's advantage
     assert out["policy_version"] == 1 and out["metrics"]["text/rollout/logp_gap"] < 1e-5
     assert out["metrics"]["image/rollout/logp_gap"] < 1e-5
+
+
+# ------------------------------------------------------------------ Janus-Pro (discrete image tokens)
+def test_janus_writes_then_draws_tokens_whose_log_probs_training_recomputes_and_round_trips(tmp_path):
+    from unirl_ray.models.janus import JanusBundle, JanusModelConfig, JanusPipeline
+
+    bundle = JanusBundle.from_config(JanusModelConfig())
+    pipe = JanusPipeline(bundle, max_prompt_tokens=24, max_new_tokens=5)
+    batch = samples_of(pipe, requests(), micro_batch_size=3)
+    texts = [routed_part(s, TextPart, "text") for s in batch]
+    images = [routed_part(s, TextPart, "image") for s in batch]  # both Parts are TextParts: the stage routes them
+    assert [t.part_id for t in texts] == ["t0", "t0", "t1", "t1"] and batch[0].image.shape == (16, 16, 3)
+    n = bundle.model.num_image_tokens
+    assert all(len(i.completion_ids) == n == 16 for i in images)
+    # the image's context is prompt + the generated tokens + <begin_of_image>
+    assert images[0].prompt_ids.tolist() == texts[0].prompt_ids.tolist() + texts[0].completion_ids.tolist() + [bundle.boi_token_id]
+    assert not torch.equal(images[0].completion_ids, images[1].completion_ids)  # two images of one segment differ
+    for view, parts in ((pipe.text, texts), (pipe.image, images)):
+        b = view.collate(parts)
+        logp, _ = view.token_log_probs(bundle.model, b)
+        m = b["completion_mask"].bool()
+        assert m.sum() > 0 and (logp[m] - b["old_log_probs"][m]).abs().max() < 1e-5
+
+    algorithms = {"text": GRPO(group_size=2, pipeline=pipe.text), "image": GRPO(group_size=2, pipeline=pipe.image)}
+    backend = FSDPBackend(block_class_names=["LlamaDecoderLayer"], trainable_attr="model", bundle=bundle,
+                          optimizer_cfg=OptimizerConfig(learning_rate=1e-3))
+    stack = UnifiedModelTrainStack(micro_batch_size=2, fsdp_backend=backend, algorithm=algorithms)
+    backend.setup(topology=TrainTopology(), device=torch.device("cpu"))
+    for s, a in zip(batch, (0.5, -0.5, 1.0, -1.0)):
+        routed_part(s, TextPart, "text").advantage = 1.0 if s.sample_id.startswith("t0") else -1.0
+        routed_part(s, TextPart, "image").advantage = a
+    head = bundle.model.janus.model.generation_head.vision_head.weight.detach().clone()
+    lm_head = bundle.model.janus.lm_head.weight.detach().clone()
+    m = stack.train(batch, seed=1).metrics
+    assert m["text/train/parts"] == 2 and m["image/train/parts"] == 4
+    assert m["text/rollout/logp_gap"] < 1e-5 and m["image/rollout/logp_gap"] < 1e-5
+    assert not torch.equal(head, bundle.model.janus.model.generation_head.vision_head.weight)  # the image stage trained
+    assert not torch.equal(lm_head, bundle.model.janus.lm_head.weight)  # and the text stage, in the same step
+
+    folder = bundle.save_pretrained(str(tmp_path / "janus"))
+    from transformers import JanusForConditionalGeneration
+
+    assert isinstance(JanusForConditionalGeneration.from_pretrained(folder), JanusForConditionalGeneration)
+    loaded = JanusBundle.from_config(JanusModelConfig(pretrained_model_path=folder))
+    live = samples_of(pipe, requests(), micro_batch_size=3)
+    again = samples_of(JanusPipeline(loaded, max_prompt_tokens=24, max_new_tokens=5), requests(), micro_batch_size=3)
+    for a, b in zip(live, again):
+        assert routed_part(a, TextPart, "text").text == routed_part(b, TextPart, "text").text
+        assert torch.equal(routed_part(a, TextPart, "image").completion_ids, routed_part(b, TextPart, "image").completion_ids)
+        assert (a.image == b.image).all()

@@ -102,3 +102,30 @@ def test_only_the_image_stage_trains_when_the_text_algorithm_is_left_out(tmp_pat
 def test_bad_unified_recipes_are_refused_on_the_driver(tmp_path, overrides, message):
     with pytest.raises((RecipeError, ValueError), match=message):
         UnifiedModelTrainer(load(RECIPE, tmp_path, "bad", *SMALL, *overrides))
+
+
+def test_a_janus_step_trains_text_and_image_tokens_and_its_real_recipe_validates(tmp_path, monkeypatch):
+    import json
+
+    janus = recipe_path("unified", "tiny", "janus_tiny.yaml")
+    trainer = UnifiedModelTrainer(load(janus, tmp_path, "janus-unit", *SMALL[:-2], "pipeline.max_new_tokens=4"))
+    rank = StackWorker(trainer.rank_sections(), topology=TrainTopology(), device=torch.device("cpu"))
+    trainer.group, trainer.reward, trainer.data = InProcessGroup(rank), LocalReward(), Prompts(["a red cat"])
+    trainer.policy_version, trainer.engine, trainer._stage_metrics = 0, None, {}
+    samples, _ = trainer.collect(1)
+    assert all([p.stage for p in s.parts] == ["text", "image"] and all(isinstance(p, TextPart) for p in s.parts)
+               for s in samples)  # two TextParts, routed by their stage
+    trainer.assign_credit(1, samples)
+    out = trainer.train(samples, seed=0)
+    assert out["unified/advantages_checked"] == 2 + 2 and out["image/train/parts"] == 2
+    assert out["image/rollout/logp_gap"] < 1e-4 and "image/algo/clip_frac" in out
+
+    (tmp_path / "janus").mkdir()
+    (tmp_path / "janus" / "config.json").write_text(json.dumps({"model_type": "janus"}))
+    monkeypatch.setenv("PRETRAINED_MODEL", str(tmp_path / "janus"))
+    monkeypatch.setenv("CLIP_MODEL", str(tmp_path / "clip"))
+    real = UnifiedModelTrainer(load(recipe_path("unified", "janus", "janus_pro_1b.yaml"), tmp_path, "janus-real"))
+    assert not real.is_demo() and real.texts_per_prompt() == 4 and real.group_size == 8
+    with pytest.raises(ValueError, match="has no config.json"):
+        monkeypatch.setenv("PRETRAINED_MODEL", str(tmp_path / "missing"))
+        UnifiedModelTrainer(load(recipe_path("unified", "janus", "janus_pro_1b.yaml"), tmp_path, "janus-real"))

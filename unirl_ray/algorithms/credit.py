@@ -58,8 +58,8 @@ class LineageCredit(CreditAssignment):
     The unified model's samples have the same shape (a think segment -> the images drawn from it).
 
     Every sample is one image: its Parts are the rewrite it was drawn from (a ``TextPart`` of stage
-    ``text_stage``; the M images of one rewrite carry Parts with the same ``part_id``) and the image (a
-    ``DiffusionPart`` of stage ``image_stage``); ``group_id`` is the prompt. ``sample.reward`` is the image's
+    ``text_stage``; the M images of one rewrite carry Parts with the same ``part_id``) and the image (the Part
+    of stage ``image_stage``: a ``DiffusionPart``, or the image tokens of a discrete-token model); ``group_id`` is the prompt. ``sample.reward`` is the image's
     weighted reward. Then:
 
     - each image Part's reward is its sample's; its advantage is group-relative over the images of its
@@ -86,10 +86,11 @@ class LineageCredit(CreditAssignment):
 
     def assign(self, samples: list[Sample]) -> dict[str, float]:
         from unirl_ray.algorithms.advantages import group_advantages
-        from unirl_ray.core.sample import DiffusionPart, TextPart, routed_part
+        from unirl_ray.core.sample import DiffusionPart, Part, TextPart, routed_part
 
         texts = [routed_part(s, TextPart, self.text_stage) for s in samples]
-        images = [routed_part(s, DiffusionPart, self.image_stage) for s in samples]
+        # the image Part by its stage, whatever its kind (a trajectory, or Janus' image tokens: a TextPart)
+        images = [routed_part(s, DiffusionPart if self.image_stage is None else Part, self.image_stage) for s in samples]
         rewrite_of = []
         for s, text in zip(samples, texts):
             if text.part_id is None:

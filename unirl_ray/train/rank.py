@@ -98,10 +98,15 @@ class Side:
         if unknown:
             raise ValueError(f"side {self.name!r}: algorithm names stage(s) {', '.join(unknown)}, but "
                              f"{type(self.pipeline).__name__} has stages {', '.join(views)}")
+        kinds = getattr(self.pipeline, "stage_parts", {})
         algorithms = {}
         for stage_name, stage_cfg in cfg.items():
-            algorithms[stage_name] = instantiate(stage_cfg, pipeline=views[stage_name])
-            algorithms[stage_name].stage = stage_name
+            algorithm = instantiate(stage_cfg, pipeline=views[stage_name])
+            if stage_name in kinds and algorithm.part_type is not kinds[stage_name]:
+                raise ValueError(f"side {self.name!r}: the algorithm of stage {stage_name!r} ({type(algorithm).__name__}) "
+                                 f"does not train {kinds[stage_name].__name__}s, which that stage generates")
+            algorithm.stage = stage_name
+            algorithms[stage_name] = algorithm
         return algorithms
 
     def stage_algorithms(self) -> dict[str | None, Any]:

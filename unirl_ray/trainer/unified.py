@@ -3,8 +3,9 @@ text segment and its image in one optimizer step.
 
 The train ranks hold one side (a flat recipe): the unified bundle and pipeline, one ``FSDPBackend`` and a
 ``UnifiedModelTrainStack`` over the stage algorithms of ``algorithm: {text: ..., image: ...}`` (the GRPO
-family for the think / recaption segment, Flow-GRPO for the image; either may be left out to train the
-other alone). Each step, in order (``RLTrainer.run_step``):
+family for the think / recaption segment; Flow-GRPO for a diffusion image, ``unirl_ray.models.unified``,
+or the GRPO family for Janus-Pro's discrete image tokens, ``unirl_ray.models.janus``; either stage may be
+left out to train the other alone). Each step, in order (``RLTrainer.run_step``):
 
     prompts   -> data.next_batch(prompts_per_step)
     rollout   -> on the train ranks (``TrainsideRollout``: exactly on-policy, no weight sync): for each prompt
@@ -39,8 +40,8 @@ import numpy as np
 
 from unirl_ray.algorithms.credit import CreditAssignment, LineageCredit
 from unirl_ray.config.checks import check_literal_fields
-from unirl_ray.config.recipe import RecipeError, instantiate
-from unirl_ray.core.sample import DiffusionPart, Sample, TextPart, part_advantage, routed_part
+from unirl_ray.config.recipe import RecipeError, instantiate, locate
+from unirl_ray.core.sample import Part, Sample, TextPart, part_advantage, routed_part
 from unirl_ray.trainer.base import derive_seed
 from unirl_ray.trainer.diffusion import check_image_size
 from unirl_ray.trainer.rl import RLRunConfig, RLTrainer, _split
@@ -93,11 +94,18 @@ class UnifiedModelTrainer(RLTrainer):
                               "unirl_ray.algorithms.FlowGRPO, group_size: 2}} (either stage may be left out); got "
                               f"{', '.join(keys) or 'nothing'}")
         algorithms = {name: instantiate(section[name]) for name in (TEXT_STAGE, IMAGE_STAGE) if name in section}
-        wants = {TEXT_STAGE: TextPart, IMAGE_STAGE: DiffusionPart}
+        pipeline_cls = locate(self.recipe.pipeline.get("_target_"), "pipeline")
+        kinds = getattr(pipeline_cls, "stage_parts", None)
+        if not isinstance(kinds, dict) or set(kinds) != {TEXT_STAGE, IMAGE_STAGE}:
+            raise RecipeError(f"pipeline: {self.recipe.pipeline.get('_target_')} is not a unified pipeline (one that writes "
+                              "a text segment and then the image: unirl_ray.models.unified.UnifiedPipeline or "
+                              "unirl_ray.models.janus.JanusPipeline)")
         cfg = self.run_cfg
         for name, alg in algorithms.items():
-            if getattr(alg, "part_type", None) is not wants[name]:
-                raise RecipeError(f"algorithm.{name}: {type(alg).__name__} does not train {wants[name].__name__}s")
+            alg.stage = name  # it takes the Parts of its stage (Janus' two stages are both TextParts)
+            if getattr(alg, "part_type", None) is not kinds[name]:
+                raise RecipeError(f"algorithm.{name}: {type(alg).__name__} does not train {kinds[name].__name__}s, which "
+                                  f"the {name} stage of {pipeline_cls.__name__} generates")
             # LineageCredit computes both stages' advantages: the algorithms' own advantage options must agree
             for key, wanted in (("normalize_std", cfg.normalize_std), ("advantage_estimator", "grpo"),
                                 ("global_std", False if cfg.normalize_std else getattr(alg, "global_std", False))):
@@ -199,15 +207,11 @@ class UnifiedModelTrainer(RLTrainer):
 
         shards = _split([dataclasses.replace(s, image=None) for s in samples], self.group.world_size)
         results = self.group.call("train", [{"samples": shard, "seed": seed} for shard in shards])
-        wants = {TEXT_STAGE: TextPart, IMAGE_STAGE: DiffusionPart}
         checked = 0
         for r, (shard, result) in enumerate(zip(shards, results)):
             got = result.get("advantages") or {}
-            for stage in self.algorithm:
-                def part_of(s: Sample, st: str = stage) -> Any:
-                    return routed_part(s, wants[st], st)
-
-                sent = [part_advantage(s, part_of(s)) for s in distinct_parts(shard, part_of)]
+            for stage, algorithm in self.algorithm.items():
+                sent = [part_advantage(s, algorithm.part_of(s)) for s in distinct_parts(shard, algorithm.part_of)]
                 if got.get(stage) != sent:  # exactly: the same floats, in the same order
                     raise RuntimeError(f"rank {r} trained stage {stage!r} on other advantages than the driver assigned "
                                        f"(first: {(got.get(stage) or [])[:3]} vs {sent[:3]}): a Part's advantage was lost")
@@ -220,7 +224,7 @@ class UnifiedModelTrainer(RLTrainer):
     def log_samples(self, step: int, samples: list[Sample]) -> None:
         """A table (prompt, generated text, rewards and advantages per stage) and an image grid with the text."""
         shown = samples[:32]
-        parts = [(routed_part(s, TextPart, TEXT_STAGE), routed_part(s, DiffusionPart, IMAGE_STAGE)) for s in shown]
+        parts = [(routed_part(s, TextPart, TEXT_STAGE), routed_part(s, Part, IMAGE_STAGE)) for s in shown]
         self.tracker.log_table(
             {
                 "step": [step] * len(shown),

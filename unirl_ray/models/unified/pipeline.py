@@ -124,6 +124,9 @@ def text_of(part: TextPart) -> list[int]:
 class UnifiedPipeline:
     """Text then image on one unified bundle (see the module docstring)."""
 
+    stage_parts = {TEXT_STAGE: TextPart, IMAGE_STAGE: DiffusionPart}
+    """The kind of Part each stage generates (what its algorithm must train; checked on the driver)."""
+
     def __init__(
         self,
         bundle: Any,

@@ -1,8 +1,8 @@
 """End to end on CPU: Ray Train workers, a Serve reward app, Ray Data prompts, MLflow.
 
 Real parts only: the tiny SD3 is a real diffusers pipeline built from config. Flow-GRPO learns (1 worker)
-and resumes exactly (LoRA on 2 FSDP2 ranks over gloo); DiffusionNFT (1 worker, EMA shadow adapter) raises
-the reward through the trainer. One worker where the rank count does not matter: it starts faster.
+and, after a killed rank, resumes exactly (LoRA on 2 FSDP2 ranks over gloo); DiffusionNFT (1 worker, EMA
+shadow adapter) raises the reward through the trainer. One worker where the rank count does not matter: it starts faster.
 """
 
 import json
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import drive, fit, make, recipe_path
+from support import attempts, drive, fit, history, kill_rank, make, recipe_path
 
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
@@ -63,28 +63,40 @@ LORA = ("backend.lora_cfg={_target_: unirl_ray.train.configs.LoraConfig, rank: 4
         "backend.optimizer_cfg.learning_rate=3e-2", "trainer.checkpoint_every=2", "tracking.log_samples_every=0")
 
 
-def test_resume_continues_run_and_data(ray_local, tmp_path):
-    straight = run(tmp_path, "straight", "trainer.num_steps=4", *LORA)
-    first = run(tmp_path, "resumed", "trainer.num_steps=2", *LORA)
-    second = run(tmp_path, "resumed", "trainer.num_steps=4", *LORA)
+def test_a_restart_resumes_lora_adapters_optimizer_and_data_exactly(ray_local, tmp_path):
+    """Two FSDP2 ranks train LoRA adapters with a KL term; rank 1 is SIGKILLed while step 4 trains: Ray Train
+    restarts the worker group, the ranks load the step-2 checkpoint (adapter shards + AdamW state), the
+    controller rewinds its prompt cursor, and step 3 runs again with the same prompts and the same numbers.
+    (A stopped job re-run from its run folder resumes through the same checkpoint load: PE, AR and SFT test
+    that path with a fresh driver.)"""
+    trainer = make(DiffusionTrainer, RECIPE, tmp_path, "resumed", "trainer.num_steps=4", "++ray.max_failures=1",
+                   *LORA, experiment="e2e")
+    pids, trained, original = [], [], trainer.train
 
-    assert second.tracker.run_id == first.tracker.run_id  # one MLflow run, continued
-    assert [s for s, _ in second.prompt_log] == [3, 4]  # resumed after the saved step
-    assert second.prompt_log == straight.prompt_log[2:]  # the next prompts, not the first ones again
-    client = MlflowClient(second.tracker.tracking_uri)
-    steps = sorted(m.step for m in client.get_metric_history(second.tracker.run_id, "reward/mean"))
-    assert steps == [1, 2, 3, 4]
-    # the resumed run restored adapters + optimizer exactly: its later steps match the straight run
-    for key in ("reward/mean", "train/loss", "algo/approx_kl"):
-        resumed = reward_history(second.tracker.tracking_uri, second.tracker.run_id, key)
-        expected = reward_history(straight.tracker.tracking_uri, straight.tracker.run_id, key)
-        assert resumed[2:] == pytest.approx(expected[2:], rel=1e-5, abs=1e-9), key
-    assert reward_history(straight.tracker.tracking_uri, straight.tracker.run_id, "train/kl")[-1] > 0
+    def train(samples, *, seed):
+        trained.append(trainer.prompt_log[-1])
+        if trainer.prompt_log[-1][0] == 4 and not pids:  # step 4's samples are out, its training starts
+            pids.append(kill_rank(trainer, 1))
+        return original(samples, seed=seed)
+
+    trainer.train = train
+    trainer.fit()
+    assert pids and trainer.restarts == 1
+    # steps 3 and 4 ran again after the rewind to the step-2 checkpoint: with the same prompts ...
+    assert [s for s, _ in trained] == [1, 2, 3, 4, 3, 4] and trained[2:4] == trained[4:]
+    assert [s for s, _ in trainer.prompt_log] == [1, 2, 3, 4]
+    for key in ("reward/mean", "train/loss", "algo/approx_kl", "train/grad_norm"):  # ... and the same numbers
+        values = attempts(trainer, key)
+        assert sorted(values) == [1, 2, 3, 4], key  # one MLflow run
+        assert len(values[3]) == 2 and values[3][0] == pytest.approx(values[3][1], rel=1e-5, abs=1e-9), key
+        assert all(len(v) == 1 for step, v in values.items() if step != 3), key
+    assert history(trainer, "train/kl")[-1] > 0
+    client = MlflowClient(trainer.tracker.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id], "tags.mlflow.runName = 'resumed'")
     assert len(runs) == 1
     with open(tmp_path / "resumed" / "checkpoint_000004" / "controller_state.json") as f:
         state = json.load(f)
-    assert state["step"] == 4 and state["controller"]["data"] == straight.data.state_dict()
+    assert state["step"] == 4 and state["controller"]["data"] == trainer.data.state_dict()
 
 
 NFT_RECIPE = recipe_path("diffusion", "sd3", "sd3_tiny_nft.yaml")

@@ -151,3 +151,20 @@ def test_reads_when_only_a_quarter_cpu_is_free(ray_local, files):
         assert done == [3, 7, 5], "a prompt read did not schedule with 0.25 CPU free"
     finally:
         remove_placement_group(hog)
+
+
+def test_prefetch_reads_in_the_background_and_open_raises_what_the_read_raised(ray_local, files, monkeypatch):
+    import pickle
+
+    src = PromptSource(path=str(files / "p.txt"), shuffle=False)
+    src.prefetch()
+    src.prefetch()  # one read in flight at most
+    assert src.next_batch(3) == [{"prompt": "a cat", "row_index": 0}, {"prompt": "a dog", "row_index": 1},
+                                 {"prompt": "a fox", "row_index": 2}]
+    assert pickle.loads(pickle.dumps(src)).next_batch(1) == [{"prompt": "a cat", "row_index": 0}]  # epoch 2
+
+    broken = PromptSource(path=str(files / "p.txt"))
+    monkeypatch.setattr(broken, "_read_rows", lambda: (_ for _ in ()).throw(OSError("storage went away")))
+    broken.prefetch()
+    with pytest.raises(OSError, match="storage went away"):
+        broken.open()

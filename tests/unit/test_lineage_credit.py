@@ -62,7 +62,7 @@ def test_max_pooling_prompt_scope_std_normalisation_and_bad_input():
         LineageCredit(rewrite_reward="sum")
     with pytest.raises(ValueError, match="image_group_scope must be one of 'rewrite', 'prompt' or 'shared'"):
         LineageCredit(image_group_scope="batch")
-    with pytest.raises(ValueError, match="no DiffusionPart of stage 'image'"):
+    with pytest.raises(ValueError, match="no Part of stage 'image' \\(its Parts are of stage ar, diffusion\\)"):
         LineageCredit(image_stage="image").assign(samples([[1.0, 2.0]]))
 
 

@@ -19,6 +19,7 @@ import difflib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 _KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 READ_NUM_CPUS = 0.25
 """CPUs each Ray Data read task asks for."""
+READ_TIMEOUT_S = 600.0
+"""Longest wait for a background read of the prompts (``PromptSource.prefetch``)."""
 
 
 class PromptPathError(FileNotFoundError, ValueError):
@@ -219,10 +222,37 @@ class PromptSource:
 
     # ---- reading (once, with Ray Data) -------------------------------------------------------
 
+    def prefetch(self) -> None:
+        """Start reading the rows in a background thread; the first ``open`` then waits for it (bounded) and
+        raises what the read raised. A trainer calls this while its workers start, so the Ray Data read is
+        off the first step's path."""
+        if self._rows is not None or getattr(self, "_prefetch", None) is not None:
+            return
+        self._fetched: list[dict[str, Any]] | BaseException | None = None
+
+        def read() -> None:
+            try:
+                self._fetched = self._normalize(self._read_rows())
+            except BaseException as exc:  # noqa: BLE001 - raised by open()
+                self._fetched = exc
+
+        self._prefetch = threading.Thread(target=read, name="unirl-prompt-prefetch", daemon=True)
+        self._prefetch.start()
+
     def open(self) -> "PromptSource":
         """Read every row with Ray Data (first call only); later calls are free."""
         if self._rows is None:
-            rows = self._normalize(self._read_rows())
+            reading = getattr(self, "_prefetch", None)
+            if reading is not None:
+                reading.join(timeout=READ_TIMEOUT_S)
+                if reading.is_alive():
+                    raise TimeoutError(f"reading the prompts of {self.path} took over {READ_TIMEOUT_S:.0f}s (Ray Data)")
+                fetched, self._prefetch, self._fetched = self._fetched, None, None
+                if isinstance(fetched, BaseException):
+                    raise fetched
+                rows = fetched
+            else:
+                rows = self._normalize(self._read_rows())
             self._rows = rows
             self._check_cursor()
             logger.info("prompt source %s: %d prompts from %d file(s)", self.path, len(rows), len(self._files))
@@ -241,6 +271,10 @@ class PromptSource:
         ds.context.execution_options.preserve_order = True  # file order, so row_index is stable
         ds.context.enable_progress_bars = False
         return ds.take_all()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable without a read in flight (the thread stays with this process)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_prefetch", "_fetched")}
 
     @staticmethod
     def _uri(path: str) -> str:

@@ -250,6 +250,8 @@ class PETrainer(RLTrainer):
         they build while the train workers start, except colocated engines, which deploy and sleep first."""
         from unirl_ray.rewards import RewardClient
 
+        if hasattr(self.data, "prefetch"):  # the prompts are read (Ray Data) while the workers start
+            self.data.prefetch()
         self.reward = self.engine = None
         self.engines, self._engine_deploys = {}, {}
         self._stage_metrics = {}

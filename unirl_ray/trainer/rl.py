@@ -168,6 +168,9 @@ class RLTrainer(BaseTrainer):
         that the workers find the devices free."""
         from unirl_ray.rewards import RewardClient
 
+        for source in (self.data, self.eval_source):  # the prompts are read (Ray Data) while the workers start
+            if hasattr(source, "prefetch"):
+                source.prefetch()
         self.reward = None
         self.engine = None
         self._engine_deploy: Future | None = None

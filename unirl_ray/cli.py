@@ -48,6 +48,8 @@ def help_text(trainer_cls: type, recipe: str | None, *, default: bool = False) -
                 node = cfg[name]
                 target = node.get("_target_") if hasattr(node, "get") else None
                 keys = [k for k in node if k != "_target_"] if hasattr(node, "keys") else []
+                if target is None and keys and all(hasattr(node[k], "get") and node[k].get("_target_") for k in keys):
+                    target = "stages: " + ", ".join(f"{k}={node[k].get('_target_').rsplit('.', 1)[-1]}" for k in keys)
                 lines.append(f"  {name:<15} {target or ''}  [{', '.join(map(str, keys[:8]))}{', ...' if len(keys) > 8 else ''}]")
         except RecipeError as exc:
             lines.append(f"  (cannot read it: {exc})")

@@ -7,8 +7,9 @@ numbers: checkpoint + resume exact). Both stages train in one optimizer step on 
 checks that each rank trained each Part on the advantage it assigned; the ratio is 1 at the start of each
 stage's step (``logp_gap``). Right after the last step the live ranks sample fixed requests; the model the
 run exports reloads from its folder and gives the same text and image. The Janus-Pro family (discrete image
-tokens, both stages GRPO) runs 10 steps on 2 workers: it learns, both stages train every step, its export
-reloads and gives the live outputs.
+tokens, both stages GRPO) runs 8 steps on 2 workers with the engine pair (a text app writes, an image app
+draws, one weight export per step feeds both): it learns, both stages train every step with engine ==
+trainer log-probs, its export reloads and gives the live outputs.
 """
 
 import numpy as np
@@ -104,14 +105,14 @@ def test_the_export_reloads_from_its_folder_and_gives_the_live_outputs(run):
     assert not torch.equal(fresh.transformer.velocity_head.weight, bundle.transformer.velocity_head.weight)  # trained
 
 
-JANUS = recipe_path("unified", "tiny", "janus_tiny.yaml")
-JANUS_STEPS = 10
+JANUS = recipe_path("unified", "tiny", "janus_tiny_engines.yaml")
+JANUS_STEPS = 8
 
 
 @pytest.fixture(scope="module")
 def janus_run(ray_local, tmp_path_factory):
-    """The Janus-Pro family (discrete image tokens, both stages GRPO) on 2 workers; the live ranks sample LIVE
-    right after the last step."""
+    """The Janus-Pro family (discrete image tokens, both stages GRPO) on 2 workers, rolled out by the engine pair
+    (a text app and an image app, one export feeds both); the live ranks sample LIVE right after the last step."""
     storage = tmp_path_factory.mktemp("janus")
     trainer = make(UnifiedModelTrainer, JANUS, storage, "janus", f"trainer.num_steps={JANUS_STEPS}",
                    "trainer.checkpoint_every=100", "tracking.log_samples_every=0",
@@ -119,8 +120,11 @@ def janus_run(ray_local, tmp_path_factory):
     live, original = [], trainer.train
 
     def train(samples, *, seed):
+        step = trainer.prompt_log[-1][0]
+        reports = {stage: engine.status() for stage, engine in trainer.engine_set.engines.items()}
+        assert all(r["version"] == step - 1 for rs in reports.values() for r in rs), reports  # both fed before the step
         out = original(samples, seed=seed)
-        if trainer.prompt_log[-1][0] == JANUS_STEPS:
+        if step == JANUS_STEPS:
             shards = trainer.group.call("eval_generate", [{"requests": [r]} for r in LIVE])
             live.extend(s for shard in shards for s in shard)
         return out
@@ -130,7 +134,7 @@ def janus_run(ray_local, tmp_path_factory):
     return trainer, storage, live
 
 
-def test_janus_learns_both_token_stages_in_one_step_and_its_export_gives_the_live_outputs(janus_run):
+def test_janus_on_the_engine_pair_learns_both_token_stages_and_its_export_gives_the_live_outputs(janus_run):
     from unirl_ray.core.sample import TextPart, routed_part
     from unirl_ray.models.janus import JanusBundle, JanusModelConfig, JanusPipeline
 
@@ -142,9 +146,13 @@ def test_janus_learns_both_token_stages_in_one_step_and_its_export_gives_the_liv
     print(f"janus reward {first:.4f} -> {last:.4f} (within-step spread {spread:.4f}): {[round(rewards[s], 3) for s in steps]}")
     assert last - first > 3 * spread, (first, last, spread, rewards)
     assert set(logged(trainer, "unified/advantages_checked").values()) == {float(PER_STEP)}
-    for stage in ("text", "image"):  # both token stages trained on every step, on-policy (ratio 1 at step start)
+    for stage in ("text", "image"):  # both token stages trained on every step; engine == trainer log-probs
         assert max(logged(trainer, f"{stage}/rollout/logp_gap").values()) < 1e-4, stage
         assert set(logged(trainer, f"{stage}/train/parts").values()) == {8.0}, stage
+    # one export per step reached both engines, each verified on its replica
+    assert logged(trainer, "weight_sync/engines") == {s: 2.0 for s in range(1, JANUS_STEPS + 1)}
+    assert logged(trainer, "weight_sync/version") == {s: float(s) for s in range(1, JANUS_STEPS + 1)}
+    assert set(logged(trainer, "rollout/version_lag_max").values()) == {0.0}
     bundle = JanusBundle.from_config(JanusModelConfig(pretrained_model_path=str(storage / "export")))
     pipeline_cfg = {k: v for k, v in dict(trainer.recipe.pipeline).items() if k != "_target_"}
     out = JanusPipeline(bundle, **pipeline_cfg).sample_requests(LIVE)

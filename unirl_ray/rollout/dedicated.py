@@ -212,3 +212,95 @@ class DedicatedEngine:
             ray.kill(self.store)
         except Exception:  # noqa: BLE001
             pass
+
+
+class EngineSet:
+    """The named dedicated engines of one run, and which trained weights feed each: the prompt enhancer's
+    ``ar`` and ``diffusion`` engines (each fed by its own side), the unified model's ``text`` + ``image``
+    engine pair (both fed by the one backbone: one export per publish reaches both).
+
+    ``deploy`` starts them: a colocated engine deploys and goes to sleep at once (the train workers that
+    start next take the devices); the separate ones build in a background thread (one after the other)
+    while the workers start.
+    ``ready`` waits for those (bounded by each deploy's own timeout). ``push`` exports each feeding side
+    from the train ranks once and publishes it, versioned and verified, to every engine it feeds.
+    """
+
+    def __init__(self, cfgs: dict[str, DedicatedRollout], *, app_names: dict[str, str],
+                 sections: dict[str, dict[str, Any]], feeds: dict[str, str | None], seed: int) -> None:
+        self.cfgs, self.app_names_by, self.sections, self.feeds, self.seed = cfgs, app_names, sections, feeds, seed
+        self.engines: dict[str, DedicatedEngine] = {}
+        self._deploys: dict[str, Any] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.cfgs)
+
+    def deploy(self) -> None:
+        import functools
+
+        from unirl_ray.trainer.rl import _in_background
+
+        deploys = {name: functools.partial(DedicatedEngine.deploy, cfg, app_name=self.app_names_by[name],
+                                           sections=self.sections[name], seed=self.seed)
+                   for name, cfg in self.cfgs.items()}
+        separate = []
+        for name, cfg in self.cfgs.items():
+            if cfg.placement == "colocated":
+                self.engines[name] = deploys[name]()
+                self.engines[name].sleep()  # the devices go to the train workers that start next
+            else:
+                separate.append(name)
+
+        def deploy_separate() -> dict[str, Any]:
+            # one after the other in one thread: Serve's deployment pickling is not safe from two threads at once
+            out: dict[str, Any] = {}
+            for name in separate:
+                try:
+                    out[name] = deploys[name]()
+                except Exception as exc:  # noqa: BLE001 - raised by ready()
+                    out[name] = exc
+            return out
+
+        if separate:
+            self._deploys = {"separate": _in_background("engines", deploy_separate)}
+            self._waits = sum(self.cfgs[n].timeout_s for n in separate) + 120
+
+    def ready(self) -> dict[str, DedicatedEngine]:
+        """Every engine, once the background deploys are done; a deploy that failed leaves no app behind, and
+        the first failure is raised once every deploy has ended."""
+        from unirl_ray.runtime.serve import delete_apps
+
+        future = self._deploys.pop("separate", None)
+        if future is None:
+            return self.engines
+        errors = []
+        for name, result in future.result(timeout=self._waits).items():
+            if isinstance(result, BaseException):
+                errors.append(result)
+                try:
+                    delete_apps([self.app_names_by[name]])
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+            else:
+                self.engines[name] = result
+        if errors:
+            raise errors[0]
+        return self.engines
+
+    def push(self, sync: Any, group: Any, versions: dict[str, int] | int) -> dict[str | None, dict[str, float]]:
+        """Export each feeding side once (``versions``: its policy version, or one int for a single side) and
+        publish it to every engine it feeds; ``{side: metrics}`` (``weight_sync/...``, ``weight_sync/engines``)."""
+        out: dict[str | None, dict[str, float]] = {}
+        for side in dict.fromkeys(self.feeds[name] for name in self.engines):
+            t0 = time.perf_counter()
+            version = versions[side] if isinstance(versions, dict) else int(versions)
+            ref, checksum, metrics = sync.export(group, version, side)
+            fed = [name for name in self.engines if self.feeds[name] == side]
+            for name in fed:
+                self.engines[name].publish(version, ref, checksum, timeout_s=sync.timeout_s)
+            out[side] = {**metrics, "weight_sync/engines": float(len(fed)),
+                         "weight_sync/seconds": time.perf_counter() - t0}
+        return out
+
+    def app_names(self) -> list[str]:
+        return list(self.app_names_by.values())

@@ -49,12 +49,10 @@ trained side (``<export_dir>/ar``, ...).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import shutil
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -65,10 +63,9 @@ from unirl_ray.algorithms.credit import CreditAssignment, LineageCredit
 from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import DiffusionPart, Sample, TextPart, part_advantage, routed_part
-from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
+from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout, EngineSet
 from unirl_ray.rollout.trainside import TrainsideRollout
 from unirl_ray.rollout.weight_sync import TensorWeightSync
-from unirl_ray.runtime.serve import delete_apps
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
 from unirl_ray.trainer.diffusion import check_image_size
 from unirl_ray.trainer.rl import RLTrainer, _in_background, _split, backend_configs, engine_sections
@@ -211,8 +208,7 @@ class PETrainer(RLTrainer):
                             for name in SIDES}
         check_image_size(self.bundle_cfgs[IMAGE_SIDE], recipe[IMAGE_SIDE].pipeline, where=f"{IMAGE_SIDE}.pipeline")
         self.dedicated = self.eval_source = self.algorithm = None
-        self.engines: dict[str, DedicatedEngine] = {}  # deployed by start_services
-        self._engine_deploys: dict[str, Future] = {}
+        self.engine_set = EngineSet({}, app_names={}, sections={}, feeds={}, seed=0)  # deployed by start_services
         self.sync = self._build("sync") if recipe.get("sync") is not None else None
         if self.engine_cfgs and self.sync is None:
             self.sync = TensorWeightSync()
@@ -246,57 +242,38 @@ class PETrainer(RLTrainer):
 
     # -------------------------------------------------------------- services
     def start_services(self) -> None:
-        """The reward app(s) and one engine app per side that rolls out on one (``<run>-rollout-<side>``);
-        they build while the train workers start, except colocated engines, which deploy and sleep first."""
+        """The reward app(s) and one engine app per side that rolls out on one (``<run>-rollout-<side>``, fed by
+        that side's weights); they build while the train workers start, except colocated engines, which
+        deploy and sleep first."""
         from unirl_ray.rewards import RewardClient
 
         if hasattr(self.data, "prefetch"):  # the prompts are read (Ray Data) while the workers start
             self.data.prefetch()
         self.reward = self.engine = None
-        self.engines, self._engine_deploys = {}, {}
         self._stage_metrics = {}
         self._reward_deploy = _in_background("reward", RewardClient.deploy, self.reward_cfg,
                                              app_name=f"{self.run_cfg.run_name}-reward")
-        for name, cfg in self.engine_cfgs.items():
-            deploy = functools.partial(DedicatedEngine.deploy, cfg, app_name=self._side_app(name),
-                                       sections=engine_sections(self.recipe[name], self.backend_cfgs[name]),
-                                       seed=self.run_cfg.seed)
-            if cfg.placement == "colocated":
-                self.engines[name] = deploy()
-                self.engines[name].sleep()  # the devices go to the train workers that start next
-            else:
-                self._engine_deploys[name] = _in_background(f"engine-{name}", deploy)
+        names = list(self.engine_cfgs)
+        self.engine_set = EngineSet(
+            self.engine_cfgs, app_names={n: f"{self.run_cfg.run_name}-rollout-{n}" for n in names},
+            sections={n: engine_sections(self.recipe[n], self.backend_cfgs[n]) for n in names},
+            feeds={n: n for n in names}, seed=self.run_cfg.seed)
+        self.engine_set.deploy()
 
-    def _side_app(self, side: str) -> str:
-        return f"{self.run_cfg.run_name}-rollout-{side}"
-
-    def _await_engines(self) -> dict[str, DedicatedEngine]:
-        """Every engine, once its background deploy is done (bounded by the deploy's own timeout); a deploy
-        that failed leaves no app behind, and the first failure is raised once every deploy has ended."""
-        errors = []
-        for name in list(self._engine_deploys):
-            try:
-                self.engines[name] = self._engine_deploys.pop(name).result(timeout=self.engine_cfgs[name].timeout_s + 120)
-            except Exception as exc:  # noqa: BLE001 - raised below, once every deploy has ended
-                errors.append(exc)
-                try:
-                    delete_apps([self._side_app(name)])
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
-        if errors:
-            raise errors[0]
-        return self.engines
+    @property
+    def engines(self) -> dict[str, DedicatedEngine]:
+        return self.engine_set.engines
 
     def start_workers(self) -> dict[str, Any]:
         announced = BaseTrainer.start_workers(self)
         self.policy_version = dict(announced.get("policy_version") or {})
         self._await_reward()
-        for name, engine in self._await_engines().items():  # engines start from the (restored) weights
-            self.sync.push(self.group, engine, self.policy_version[name], side=name)
+        if self.engine_set.ready():  # engines start from the (restored) weights
+            self.engine_set.push(self.sync, self.group, self.policy_version)
         return announced
 
     def await_engines(self) -> None:
-        self._await_engines()
+        self.engine_set.ready()
 
     def engine_services(self) -> list[DedicatedEngine]:
         return list(self.engines.values())
@@ -305,17 +282,16 @@ class PETrainer(RLTrainer):
         """The restarted workers hold the checkpoint's weights: adopt their versions, republish them to the engines."""
         self.policy_version = dict(announced.get("policy_version") or {})
         self.prompt_log = [(s, p) for s, p in self.prompt_log if s <= restored_step]
-        for name, engine in self.engines.items():
-            self.sync.push(self.group, engine, self.policy_version[name], side=name)
+        if self.engines:
+            self.engine_set.push(self.sync, self.group, self.policy_version)
 
     def sync_engines(self, step: int) -> dict[str, float]:
         """After training ``step``: publish each trained side's weights to its engine (versioned, verified)."""
         metrics: dict[str, float] = {}
         if not self.engines or not self.sync.due(step):
             return metrics
-        for name, engine in self.engines.items():
-            pushed = self.sync.push(self.group, engine, self.policy_version[name], side=name)
-            metrics |= {f"{name}/{k}": v for k, v in pushed.items()}
+        for side, pushed in self.engine_set.push(self.sync, self.group, self.policy_version).items():
+            metrics |= {f"{side}/{k}": v for k, v in pushed.items() if k != "weight_sync/engines"}
         metrics["timing/weight_sync"] = sum(v for k, v in metrics.items() if k.endswith("/weight_sync/seconds"))
         return metrics
 

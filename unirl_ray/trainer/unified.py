@@ -26,13 +26,20 @@ left out to train the other alone). Each step, in order (``RLTrainer.run_step``)
                  and every ``tracking.log_samples_every`` steps a table (prompt, generated text, rewards and
                  advantages per stage) and an image grid captioned with the generated text
 
-Not built yet: rolling out on the seed's engine pair (an AR app writes, a DiT app draws); a
-``DedicatedRollout`` is refused at validation.
+Rollout layouts: ``rollout: TrainsideRollout`` (the train ranks sample with the module they train: one
+engine, no sync), or the seed's **engine pair** ``rollout: {text: DedicatedRollout, image: DedicatedRollout}``:
+``<run>-rollout-text`` writes the segments and ``<run>-rollout-image`` draws from prompt + segment ids, both HF
+engines of the same bundle and pipeline (each serving one stage, ``pipeline.sample_stage``), fed after every
+``sync.every`` steps by ONE export of the backbone (``EngineSet``: versioned, verified on every replica;
+``weight_sync/engines`` counts the engines it reached). ``placement: colocated`` gives each engine its own turn
+on the train workers' devices. A single ``DedicatedRollout`` is refused (name the pair).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,9 +49,12 @@ from unirl_ray.algorithms.credit import CreditAssignment, LineageCredit
 from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import Part, Sample, TextPart, part_advantage, routed_part
-from unirl_ray.trainer.base import derive_seed
+from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout, EngineSet
+from unirl_ray.rollout.trainside import TrainsideRollout
+from unirl_ray.rollout.weight_sync import TensorWeightSync
+from unirl_ray.trainer.base import BaseTrainer, derive_seed
 from unirl_ray.trainer.diffusion import check_image_size
-from unirl_ray.trainer.rl import RLRunConfig, RLTrainer, _split
+from unirl_ray.trainer.rl import RLRunConfig, RLTrainer, _split, engine_sections
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +144,7 @@ class UnifiedModelTrainer(RLTrainer):
         from unirl_ray.train.stack import UnifiedModelTrainStack
 
         recipe, cfg, workers = self.recipe, self.run_cfg, self.ray_cfg.num_workers
-        if self.dedicated is not None:
-            raise RecipeError("rollout: the unified trainer rolls out on the train ranks (_target_: "
-                              "unirl_ray.rollout.TrainsideRollout); the AR + DiT engine pair is not built yet")
+        self.engine_cfgs = self._engine_pair()
         stack_cls = instantiate(recipe.stack)
         if not isinstance(stack_cls, UnifiedModelTrainStack):
             raise RecipeError("stack: a unified recipe trains its stages in one optimizer step: _target_: "
@@ -157,6 +165,119 @@ class UnifiedModelTrainer(RLTrainer):
                               f"must divide evenly over ray.scaling.num_workers={workers}: a segment and its images "
                               "are made and trained on one rank")
         check_image_size(self.bundle_cfg, recipe.pipeline)
+
+    def _engine_pair(self) -> dict[str, DedicatedRollout]:
+        """``{}`` for a trainside rollout, else the engine pair of ``rollout: {text: ..., image: ...}``."""
+        section = self.recipe.rollout
+        target = section.get("_target_")
+        if target is not None:
+            cls = locate(target, "rollout")
+            if isinstance(cls, type) and issubclass(cls, DedicatedRollout):
+                raise RecipeError("rollout: a unified model rolls out on the train ranks (_target_: "
+                                  "unirl_ray.rollout.TrainsideRollout) or on an engine pair, one app per stage fed by "
+                                  "the one backbone: rollout: {text: {_target_: unirl_ray.rollout.DedicatedRollout, "
+                                  "engine: hf}, image: {_target_: unirl_ray.rollout.DedicatedRollout, engine: hf}}")
+            if not (isinstance(cls, type) and issubclass(cls, TrainsideRollout)):
+                raise RecipeError("rollout: _target_ must be unirl_ray.rollout.TrainsideRollout, or give the engine "
+                                  "pair {text: DedicatedRollout, image: DedicatedRollout}")
+            return {}
+        if sorted(section.keys()) != sorted((TEXT_STAGE, IMAGE_STAGE)):
+            raise RecipeError(f"rollout: an engine pair names the stages text and image, got {', '.join(section.keys())}")
+        pair = {}
+        for stage in (TEXT_STAGE, IMAGE_STAGE):
+            cfg = instantiate(section[stage])
+            if not isinstance(cfg, DedicatedRollout) or cfg.engine != "hf":
+                raise RecipeError(f"rollout.{stage}: each engine of the pair is _target_: unirl_ray.rollout.DedicatedRollout "
+                                  "with engine: hf (the family's own pipeline, so its log-probs are the trainer's)")
+            pair[stage] = cfg
+        if self.sync is None:
+            self.sync = TensorWeightSync()
+        return pair
+
+    def extra_resources(self) -> dict[str, float]:
+        need = super().extra_resources()
+        for cfg in getattr(self, "engine_cfgs", {}).values():
+            for key, value in cfg.resources().items():
+                need[key] = need.get(key, 0.0) + value
+        return need
+
+    # ------------------------------------------------------- the engine pair
+    def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:
+        return BaseTrainer.rank_sections(self, rollout=rollout and not self.engine_cfgs)  # the pair rolls out
+
+    def start_services(self) -> None:
+        """The reward app(s), and with an engine pair ``<run>-rollout-text`` and ``<run>-rollout-image``: the same
+        bundle and pipeline, each serving one stage, both fed by the backbone's weights."""
+        super().start_services()
+        base = engine_sections(self.recipe, self.backend_cfgs)
+        self.engine_set = EngineSet(
+            self.engine_cfgs, app_names={s: f"{self.run_cfg.run_name}-rollout-{s}" for s in self.engine_cfgs},
+            sections={s: {**base, "stage": s} for s in self.engine_cfgs}, feeds=dict.fromkeys(self.engine_cfgs),
+            seed=self.run_cfg.seed)
+        self.engine_set.deploy()
+
+    def start_workers(self) -> dict[str, Any]:
+        announced = super().start_workers()
+        if self.engine_set.ready():  # both engines start from the (restored) weights, one export
+            self.engine_set.push(self.sync, self.group, self.policy_version)
+        return announced
+
+    def await_engines(self) -> None:
+        super().await_engines()
+        if getattr(self, "engine_set", None) is not None:
+            self.engine_set.ready()
+
+    def engine_services(self) -> list[DedicatedEngine]:
+        pair = getattr(self, "engine_set", None)
+        return [*super().engine_services(), *(pair.engines.values() if pair is not None else ())]
+
+    def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
+        super().after_restart(announced, restored_step)
+        if self.engine_set.engines:
+            self.engine_set.push(self.sync, self.group, self.policy_version)
+
+    def sync_engines(self, step: int) -> dict[str, float]:
+        """After training ``step``: one export of the backbone, published to both engines (versioned, verified)."""
+        if not self.engine_set.engines or not self.sync.due(step):
+            return {}
+        metrics = self.engine_set.push(self.sync, self.group, self.policy_version)[None]
+        metrics["timing/weight_sync"] = metrics["weight_sync/seconds"]
+        return metrics
+
+    def _on_engine(self, stage: str, requests: list[dict[str, Any]]) -> list[Sample]:
+        engine = self.engine_set.engines[stage]
+        if engine.colocated:  # the train workers hand over the devices for this engine's turn
+            out = self.colocated_rollout(requests, engine)
+            self._pair_metrics |= {f"{stage}/{k}": v for k, v in self._stage_metrics.items()}
+            self._stage_metrics = {}
+        else:
+            out = engine.generate(requests)
+        if [s.sample_id for s in out] != [r["sample_id"] for r in requests]:
+            raise RuntimeError(f"the {stage} engine returned samples out of order or incomplete")
+        return out
+
+    def _rollout_on_pair(self, requests: list[dict[str, Any]]) -> list[Sample]:
+        """The text engine writes each distinct segment; the image engine draws each image from prompt + segment ids."""
+        from unirl_ray.models.unified.pipeline import text_of
+
+        self._pair_metrics: dict[str, float] = {}
+        texts: dict[str, dict[str, Any]] = {}
+        for r in requests:
+            texts.setdefault(r["text_id"], {"sample_id": r["text_id"], "group_id": r["group_id"], "prompt": r["prompt"],
+                                            "columns": r["columns"], "seed": r["text_seed"]})
+        t0 = time.perf_counter()
+        text_samples = self._on_engine(TEXT_STAGE, list(texts.values()))
+        written = {s.sample_id: routed_part(s, TextPart, TEXT_STAGE) for s in text_samples}
+        versions = {s.sample_id: s.policy_version for s in text_samples}
+        t1 = time.perf_counter()
+        draws = [{k: v for k, v in r.items() if k not in ("text_id", "text_seed")} | {"context_ids": text_of(written[r["text_id"]])}
+                 for r in requests]
+        drawn = self._on_engine(IMAGE_STAGE, draws)
+        self._pair_metrics |= {"timing/rollout_text": t1 - t0, "timing/rollout_image": time.perf_counter() - t1}
+        return [Sample(sample_id=d.sample_id, group_id=d.group_id, prompt=d.prompt, columns=dict(d.columns),
+                       parts=[dataclasses.replace(written[r["text_id"]]), routed_part(d, Part, IMAGE_STAGE)],
+                       image=d.image, policy_version=min(d.policy_version, versions[r["text_id"]]))
+                for r, d in zip(requests, drawn)]
 
     def make_credit(self) -> CreditAssignment:
         cfg = self.run_cfg
@@ -184,7 +305,7 @@ class UnifiedModelTrainer(RLTrainer):
         return requests
 
     def rollout(self, requests: list[dict[str, Any]]) -> list[Sample]:
-        samples = super().rollout(requests)
+        samples = self._rollout_on_pair(requests) if self.engine_cfgs else super().rollout(requests)
         if [s.sample_id for s in samples] != [r["sample_id"] for r in requests]:
             raise RuntimeError("the train ranks returned unified samples out of order or incomplete")
         for s in samples:  # text rewards (format, length) read what the model wrote
@@ -193,16 +314,14 @@ class UnifiedModelTrainer(RLTrainer):
 
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         texts = {routed_part(s, TextPart, TEXT_STAGE).part_id: routed_part(s, TextPart, TEXT_STAGE) for s in samples}
-        tokens = [int(t.num_tokens) for t in texts.values()]
-        return {**super().rollout_metrics(samples), "rollout/response_len_mean": float(np.mean(tokens)),
+        tokens = [int(t.num_tokens) if t.completion_ids is None else int(t.completion_ids.numel()) for t in texts.values()]
+        return {**super().rollout_metrics(samples), **getattr(self, "_pair_metrics", {}), "rollout/response_len_mean": float(np.mean(tokens)),
                 "rollout/response_len_max": float(np.max(tokens)), "unified/text_segments": float(len(texts)),
                 "unified/images": float(len(samples))}
 
     def train(self, samples: list[Sample], *, seed: int) -> dict[str, float]:
         """Send every rank its shard (without media), then check that each rank trained every stage on the
         advantages the driver assigned (each distinct Part once, in shard order)."""
-        import dataclasses
-
         from unirl_ray.train.stack import distinct_parts
 
         shards = _split([dataclasses.replace(s, image=None) for s in samples], self.group.world_size)

@@ -25,6 +25,7 @@ from unirl_ray.config.checks import PositiveInt, check_choice
 from unirl_ray.core.sample import Part, TextPart
 from unirl_ray.models.causal_lm.pipeline import CausalLMPipeline, Temperature, TopP, draw_tokens, nucleus_filter
 from unirl_ray.models.flow_sde import module_device, to_uint8
+from unirl_ray.models.unified.pipeline import compose
 
 TEXT_STAGE, IMAGE_STAGE = "text", "image"
 
@@ -170,30 +171,30 @@ class JanusPipeline:
     def sample_requests(self, requests: list[dict[str, Any]], *, module: torch.nn.Module | None = None,
                         micro_batch_size: int = 8) -> list[tuple[list[Part], np.ndarray]]:
         """``([text Part, image Part], image)`` per request, in order (requests as ``UnifiedPipeline.sample_requests``)."""
+        return compose(self, requests, module=module, micro_batch_size=micro_batch_size)
+
+    @torch.no_grad()
+    def sample_stage(self, stage: str, requests: list[dict[str, Any]], *, module: torch.nn.Module | None = None,
+                     micro_batch_size: int = 8) -> list[tuple[list[Part], np.ndarray | None]]:
+        """One stage alone (``UnifiedPipeline.sample_stage``); an image's context gets ``<begin_of_image>`` appended."""
         module = self.bundle.model if module is None else module
-        texts: dict[str, tuple[str, int]] = {}
-        for r in requests:
-            texts.setdefault(str(r.get("text_id", r["sample_id"])), (r["prompt"], int(r.get("text_seed", r["seed"]))))
-        written: dict[str, TextPart] = {}
-        ids = list(texts)
-        for start in range(0, len(ids), micro_batch_size):
-            chunk = ids[start : start + micro_batch_size]
-            outs = self.text.sample([texts[t][0] for t in chunk], [texts[t][1] for t in chunk], module=module)
-            for tid, (part, _) in zip(chunk, outs):
-                written[tid] = dataclasses.replace(part, stage=TEXT_STAGE, part_id=tid)
-        boi = self.bundle.boi_token_id
-        results: list[tuple[list[Part], np.ndarray]] = []
+        out: list[tuple[list[Part], np.ndarray | None]] = []
         for start in range(0, len(requests), micro_batch_size):
             chunk = requests[start : start + micro_batch_size]
-            parents = [written[str(r.get("text_id", r["sample_id"]))] for r in chunk]
-            contexts = [p.prompt_ids.tolist() + p.completion_ids.tolist() + [boi] for p in parents]
-            tokens, log_probs = self.image.sample(module, contexts, [int(r["seed"]) for r in chunk])
-            pixels = module(decode_tokens=tokens.to(module_device(module)))
-            media = to_uint8(pixels).cpu().numpy()
-            n = tokens.shape[1]
-            for i, parent in enumerate(parents):
-                image = TextPart(stage=IMAGE_STAGE, prompt_ids=torch.tensor(contexts[i], dtype=torch.long),
-                                 completion_ids=tokens[i].clone(), log_probs=log_probs[i].clone(),
-                                 loss_mask=torch.ones(n), text="", num_tokens=n)
-                results.append(([dataclasses.replace(parent), image], media[i]))
-        return results
+            if stage == TEXT_STAGE:
+                outs = self.text.sample([r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk], module=module)
+                out += [([dataclasses.replace(part, stage=TEXT_STAGE, part_id=str(r["sample_id"]))], None)
+                        for r, (part, _) in zip(chunk, outs)]
+            elif stage == IMAGE_STAGE:
+                contexts = [[int(i) for i in r["context_ids"]] + [self.bundle.boi_token_id] for r in chunk]
+                tokens, log_probs = self.image.sample(module, contexts, [int(r["seed"]) for r in chunk])
+                media = to_uint8(module(decode_tokens=tokens.to(module_device(module)))).cpu().numpy()
+                n = tokens.shape[1]
+                for i, context in enumerate(contexts):
+                    part = TextPart(stage=IMAGE_STAGE, prompt_ids=torch.tensor(context, dtype=torch.long),
+                                    completion_ids=tokens[i].clone(), log_probs=log_probs[i].clone(),
+                                    loss_mask=torch.ones(n), text="", num_tokens=n)
+                    out.append(([part], media[i]))
+            else:
+                raise ValueError(f"unknown stage {stage!r}: this pipeline has stages {', '.join(self.stage_pipelines)}")
+        return out

@@ -182,27 +182,48 @@ class UnifiedPipeline:
         """``([TextPart, DiffusionPart], image)`` per request, in order. A request holds ``prompt`` and ``seed`` (the
         image's), and optionally ``text_id`` / ``text_seed`` (requests with one text id share one text segment;
         default: its own, from ``seed``) and ``group_seed`` (shared initial noise)."""
+        return compose(self, requests, module=module, micro_batch_size=micro_batch_size)
+
+    @torch.no_grad()
+    def sample_stage(self, stage: str, requests: list[dict[str, Any]], *, module: torch.nn.Module | None = None,
+                     micro_batch_size: int = 8) -> list[tuple[list[Part], np.ndarray | None]]:
+        """One stage alone (what an engine of the pair runs). ``text``: a request (``sample_id``, ``prompt``, ``seed``)
+        is one segment, ``([TextPart], None)`` with ``part_id = sample_id``. ``image``: a request (``sample_id``,
+        ``seed``, ``context_ids``: the prompt + segment token ids, optional ``group_seed``) is one image,
+        ``([DiffusionPart], image)``."""
         module = self.bundle.transformer if module is None else module
-        texts: dict[str, tuple[str, int]] = {}
-        for r in requests:
-            tid = str(r.get("text_id", r["sample_id"]))
-            texts.setdefault(tid, (r["prompt"], int(r.get("text_seed", r["seed"]))))
-        written: dict[str, TextPart] = {}
-        ids = list(texts)
-        for start in range(0, len(ids), micro_batch_size):
-            chunk = ids[start : start + micro_batch_size]
-            outs = self.text.sample([texts[t][0] for t in chunk], [texts[t][1] for t in chunk], module=module)
-            for tid, (part, _) in zip(chunk, outs):
-                written[tid] = dataclasses.replace(part, stage=TEXT_STAGE, part_id=tid)
-        results: list[tuple[list[Part], np.ndarray]] = []
+        out: list[tuple[list[Part], np.ndarray | None]] = []
         for start in range(0, len(requests), micro_batch_size):
             chunk = requests[start : start + micro_batch_size]
-            parents = [written[str(r.get("text_id", r["sample_id"]))] for r in chunk]
-            cond = self.image.cond_from_ids([text_of(p) for p in parents])
-            group_seeds = [int(r["group_seed"]) for r in chunk] if self.needs_group_seeds else None
-            outs = self.image.sample_from_cond(cond, [int(r["seed"]) for r in chunk], module=module,
-                                               group_seeds=group_seeds)
-            for parent, (part, media) in zip(parents, outs):
-                part.stage = IMAGE_STAGE
-                results.append(([dataclasses.replace(parent), part], media))
-        return results
+            if stage == TEXT_STAGE:
+                outs = self.text.sample([r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk], module=module)
+                out += [([dataclasses.replace(part, stage=TEXT_STAGE, part_id=str(r["sample_id"]))], None)
+                        for r, (part, _) in zip(chunk, outs)]
+            elif stage == IMAGE_STAGE:
+                cond = self.image.cond_from_ids([list(r["context_ids"]) for r in chunk])
+                group_seeds = [int(r["group_seed"]) for r in chunk] if self.needs_group_seeds else None
+                outs = self.image.sample_from_cond(cond, [int(r["seed"]) for r in chunk], module=module,
+                                                   group_seeds=group_seeds)
+                for part, media in outs:
+                    part.stage = IMAGE_STAGE
+                    out.append(([part], media))
+            else:
+                raise ValueError(f"unknown stage {stage!r}: this pipeline has stages {', '.join(self.stage_pipelines)}")
+        return out
+
+
+def compose(pipeline: Any, requests: list[dict[str, Any]], *, module: torch.nn.Module | None,
+            micro_batch_size: int) -> list[tuple[list[Part], np.ndarray]]:
+    """Text then image for ``requests`` (``sample_requests``): one segment per distinct ``text_id`` (default: the
+    request's own, from its ``seed``; ``text_seed`` otherwise), then each request's image conditioned on its
+    segment; ``([text Part, image Part], image)`` per request. Shared by the unified families."""
+    texts: dict[str, dict[str, Any]] = {}
+    for r in requests:
+        tid = str(r.get("text_id", r["sample_id"]))
+        texts.setdefault(tid, {"sample_id": tid, "prompt": r["prompt"], "seed": int(r.get("text_seed", r["seed"]))})
+    written = {parts[0].part_id: parts[0] for parts, _ in
+               pipeline.sample_stage(TEXT_STAGE, list(texts.values()), module=module, micro_batch_size=micro_batch_size)}
+    parents = [written[str(r.get("text_id", r["sample_id"]))] for r in requests]
+    drawn = pipeline.sample_stage(IMAGE_STAGE, [dict(r, context_ids=text_of(p)) for r, p in zip(requests, parents)],
+                                  module=module, micro_batch_size=micro_batch_size)
+    return [([dataclasses.replace(parent), parts[0]], media) for parent, (parts, media) in zip(parents, drawn)]

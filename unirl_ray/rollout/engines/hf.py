@@ -2,7 +2,8 @@
 ``transformers`` / diffusers modules), so its log-probs are computed exactly as the trainer's.
 
 Each replica builds the bundle and pipeline from the same recipe sections as the train workers
-(plus the same LoRA structure), then only ever generates with weights it was given: it starts at
+(plus the same LoRA structure; with ``stage`` in the sections it runs that stage of a multi-stage
+pipeline only, ``pipeline.sample_stage``: one engine of the unified model's pair), then only ever generates with weights it was given: it starts at
 version -1, loads versions through ``load_weights`` (verified by checksum) and, before generating,
 pulls the latest published version from the run's ``WeightStore`` if it is behind what the
 controller expects (a replica that started or restarted late catches up by itself).
@@ -36,6 +37,9 @@ class HFRolloutEngine(VersionedEngine):
         self.bundle = instantiate(sections["bundle"])
         self.pipeline = instantiate(sections["pipeline"], bundle=self.bundle)
         self.module = getattr(self.bundle, sections.get("trainable_attr", "model"))
+        self.stage = sections.get("stage")  # one stage of a multi-stage pipeline (the unified model's engine pair)
+        if self.stage is not None and not hasattr(self.pipeline, "sample_stage"):
+            raise ValueError(f"this engine serves stage {self.stage!r}, but {type(self.pipeline).__name__} has no stages")
         self.module.requires_grad_(False)
         if sections.get("lora_cfg"):
             from unirl_ray.train.backend.lora import inject_lora
@@ -96,10 +100,14 @@ class HFRolloutEngine(VersionedEngine):
         with self.lock, torch.no_grad():
             version = self.version  # read under the lock: a weight load waits for this call (never mixed)
             check_version(self.replica, version, expected_version, at_least)
-            outputs = self.pipeline.sample(
-                [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module,
-                **group_kwargs(self.pipeline, requests),
-            )
+            if self.stage is not None:
+                outputs = self.pipeline.sample_stage(self.stage, requests, module=self.module,
+                                                     micro_batch_size=len(requests))
+            else:
+                outputs = self.pipeline.sample(
+                    [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module,
+                    **group_kwargs(self.pipeline, requests),
+                )
         return samples_from_outputs(requests, outputs, version)
 
     async def generate(self, requests: list[dict[str, Any]], expected_version: int, at_least: bool = False) -> list[Sample]:

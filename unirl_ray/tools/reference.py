@@ -96,7 +96,7 @@ INTERNAL_MODULES = (
 )
 """Plumbing that a recipe never names (a name here covers its sub-modules)."""
 
-INTERNAL_CLASSES = ("unirl_ray.rollout.dedicated.DedicatedEngine", "unirl_ray.models.unified.model.UnifiedTransformer",
+INTERNAL_CLASSES = ("unirl_ray.rollout.dedicated.DedicatedEngine", "unirl_ray.rollout.dedicated.EngineSet", "unirl_ray.models.unified.model.UnifiedTransformer",
                     "unirl_ray.models.janus.bundle.JanusPolicy", "unirl_ray.models.janus.bundle.ImageTokenOutput",
                     "unirl_ray.models.janus.pipeline.JanusImageTokens")
 """Classes of documented modules that a recipe never names."""

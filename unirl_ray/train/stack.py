@@ -256,7 +256,6 @@ class TrainStack:
         return out
 
 
-
 class UnifiedModelTrainStack(TrainStack):
     """Several stage algorithms over one backend, trained in one optimizer step (the unified model: a text
     stage and an image stage over the same backbone, e.g. ``{"text": GRPO, "image": FlowGRPO}``).

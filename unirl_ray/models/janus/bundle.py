@@ -50,6 +50,12 @@ class JanusPolicy(nn.Module):
     def generation_config(self):  # noqa: ANN201 - stop tokens
         return self.janus.generation_config
 
+    def frozen_parameters(self) -> list[nn.Parameter]:
+        """What full fine-tuning leaves frozen (``FSDPBackend``): the understanding tower and its aligner, and the VQ
+        model (its decoder only turns tokens into pixels). No loss of the text or image-token stages reaches them."""
+        model = self.janus.model
+        return [p for m in (model.vision_model, model.aligner, model.vqmodel) for p in m.parameters()]
+
     @property
     def num_image_tokens(self) -> int:
         return int(self.janus.config.vision_config.num_image_tokens)
@@ -116,6 +122,18 @@ def build_tiny_janus(tiny: TinyJanusConfig, tokenizer: Any) -> nn.Module:
     return model
 
 
+def _processor_chat_template(path: str) -> str | None:
+    """The chat template a Janus folder stores next to its processor (``chat_template.json`` / ``.jinja``), if any."""
+    import json
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                return f.read() if name.endswith(".jinja") else json.load(f).get("chat_template")
+    return None
+
+
 @dataclass(kw_only=True)
 class JanusBundle:
     """A Janus model and its tokenizer; ``model`` is what the backend trains (``trainable_attr: model``)."""
@@ -147,6 +165,8 @@ class JanusBundle:
             path = os.path.expanduser(config.pretrained_model_path)
             janus = JanusForConditionalGeneration.from_pretrained(path, dtype=config.dtype, local_files_only=True)
             tokenizer = _load_tokenizer(path)  # a real folder's tokenizer; the demo's char tokenizer read back as such
+            if not getattr(tokenizer, "chat_template", None):  # Janus-Pro folders keep it with the processor
+                tokenizer.chat_template = _processor_chat_template(path)
         model = JanusPolicy(janus.to(config.dtype)).eval()
         return cls(model=model, tokenizer=tokenizer, config=config, is_demo=config.is_demo)
 

@@ -1,7 +1,8 @@
 """``FSDPBackend``: owns the trainable model on a train rank.
 
 Order of construction (``setup``), as the seed prescribes: pick the trainable module from the
-bundle; structural injection with the same seed on every rank (LoRA, or the NFT adapter pair of
+bundle (full fine-tuning trains all of it except what its ``frozen_parameters()`` names, if it has that
+method: e.g. Janus' understanding tower and VQ model, which no RL loss reaches); structural injection with the same seed on every rank (LoRA, or the NFT adapter pair of
 ``EmaLoraConfig``; the mirror-EMA plan of ``EmaFullConfig``); a frozen reference copy when the
 algorithm needs one and no adapter can be switched off; FSDP2 ``fully_shard`` on every configured
 block class then on the root; the mirror-EMA shadows (cloned from the shards); then the optimizer
@@ -139,6 +140,8 @@ class FSDPBackend:
             self.adapter_ema = AdapterEma.inject(module, self.ema_lora_cfg)
         else:
             module.requires_grad_(True)
+            for param in getattr(module, "frozen_parameters", lambda: [])():  # parts the RL losses never reach
+                param.requires_grad_(False)
         module.to(device)
         if self.ema_full_cfg is not None:
             self.mirror_ema = MirrorEma.plan(module, self.ema_full_cfg)

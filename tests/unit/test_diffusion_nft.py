@@ -302,17 +302,15 @@ def test_stack_refuses_nft_without_the_shadow_adapter():
     assert not TrainsideRollout(backend=backend).samples_with_shadow
 
 
-def test_nft_steps_on_tiny_sd3_raise_brightness():
-    """16 NFT steps (8 ODE samples of 4 steps each, 2 prompts x 4) make the images brighter.
-
-    Measured over 3 seed offsets: +0.010 .. +0.018 mean brightness (of ~0.49) in 15 steps; a negated
-    reward lowered it by 0.03 in 20 steps, so the signal, not a drift, moves it.
-    """
+def test_nft_steps_on_tiny_sd3_move_the_shadow_on_its_schedule():
+    """8 NFT steps (8 ODE samples of 4 steps each, 2 prompts x 4): every metric finite, the EMA shadow moved once per
+    step on its ramp, lagging the trained adapter once its decay is > 0. That NFT raises the reward (and a
+    negated reward lowers it) is proven through the trainer: ``tests/ray/test_e2e_diffusion.py::test_nft_*``."""
     from unirl_ray.rewards.image import brightness
 
     _, backend, algo, stack, rollout = tiny_nft_stack()
-    history, deviation = [], []
-    for step in range(16):
+    deviation = []
+    for step in range(8):
         samples = rollout.generate(requests(step, ["a cat", "a dog"], 4), policy_version=stack.policy_version)
         rewards = brightness(images=[s.image for s in samples], prompts=[s.prompt for s in samples])
         for s, r in zip(samples, rewards):
@@ -320,13 +318,9 @@ def test_nft_steps_on_tiny_sd3_raise_brightness():
         algo.compute_advantages(samples)
         metrics = stack.train(samples, seed=step).metrics
         assert all(math.isfinite(v) for v in metrics.values())
-        history.append(float(np.mean(rewards)))
         deviation.append(metrics["algo/old_deviation"])
-    assert backend.adapter_ema.updates == 16 and metrics["train/ema_lora_decay"] == pytest.approx(0.015)
+    assert backend.adapter_ema.updates == 8 and metrics["train/ema_lora_decay"] == pytest.approx(0.007)
     assert deviation[0] == 0.0 and max(deviation) > 0  # the shadow lags once the EMA decay is > 0
-    gain = np.mean(history[-3:]) - np.mean(history[:3])
-    print(f"brightness {np.mean(history[:3]):.4f} -> {np.mean(history[-3:]):.4f}")
-    assert gain > 0.005, history
 
 
 # ------------------------------------------------------------------------------------ recipes

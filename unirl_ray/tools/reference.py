@@ -43,9 +43,12 @@ AREAS: tuple[tuple[str, str, str], ...] = (
     ("data", "unirl_ray.data", "The `data:` section: prompt sources."),
     ("tracking", "unirl_ray.tracking", "The `tracking:` section and the tracker it configures."),
     ("runtime", "unirl_ray.runtime", "The `ray:` section."),
+    ("agentic", "unirl_ray.agentic",
+     "Tools an agent calls (the calculator, sandboxed Python) and the limits of the sandbox its code runs in."),
     ("trainers", "unirl_ray.trainer",
      "The `trainer:` section (a `RunConfig`) and the domain trainers that run a recipe "
-     "(`python -m unirl_ray.train_ar` / `train_diffusion` / `train_async_ar` / `train_async_diffusion` / `train_sft`)."),
+     "(`python -m unirl_ray.train_ar` / `train_diffusion` / `train_async_ar` / `train_async_diffusion` / `train_sft` / "
+     "`train_pe` / `train_unified_model`)."),
 )
 """(title, package, what it holds) in the order the reference shows them."""
 
@@ -96,7 +99,8 @@ INTERNAL_MODULES = (
 )
 """Plumbing that a recipe never names (a name here covers its sub-modules)."""
 
-INTERNAL_CLASSES = ("unirl_ray.rollout.dedicated.DedicatedEngine", "unirl_ray.rollout.dedicated.EngineSet", "unirl_ray.models.unified.model.UnifiedTransformer",
+INTERNAL_CLASSES = ("unirl_ray.rollout.dedicated.DedicatedEngine", "unirl_ray.agentic.sandbox.SandboxResult",
+                    "unirl_ray.agentic.tool_calls.ToolCall", "unirl_ray.rollout.dedicated.EngineSet", "unirl_ray.models.unified.model.UnifiedTransformer",
                     "unirl_ray.models.janus.bundle.JanusPolicy", "unirl_ray.models.janus.bundle.ImageTokenOutput",
                     "unirl_ray.models.janus.pipeline.JanusImageTokens")
 """Classes of documented modules that a recipe never names."""

@@ -228,17 +228,20 @@ class UnifiedModelTrainer(RLTrainer):
             self.engine_set.ready()
 
     def engine_services(self) -> list[DedicatedEngine]:
+        return [*super().engine_services(), *self._pair().values()]
+
+    def _pair(self) -> dict[str, DedicatedEngine]:
         pair = getattr(self, "engine_set", None)
-        return [*super().engine_services(), *(pair.engines.values() if pair is not None else ())]
+        return pair.engines if pair is not None else {}
 
     def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:
         super().after_restart(announced, restored_step)
-        if self.engine_set.engines:
+        if self._pair():  # the restarted ranks hold the checkpoint's weights: both engines get them
             self.engine_set.push(self.sync, self.group, self.policy_version)
 
     def sync_engines(self, step: int) -> dict[str, float]:
         """After training ``step``: one export of the backbone, published to both engines (versioned, verified)."""
-        if not self.engine_set.engines or not self.sync.due(step):
+        if not self._pair() or not self.sync.due(step):
             return {}
         metrics = self.engine_set.push(self.sync, self.group, self.policy_version)[None]
         metrics["timing/weight_sync"] = metrics["weight_sync/seconds"]

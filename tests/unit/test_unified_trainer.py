@@ -99,6 +99,7 @@ def test_only_the_image_stage_trains_when_the_text_algorithm_is_left_out(tmp_pat
      "rollout.text: each engine of the pair is"),
     (("ray.scaling.num_workers=3",), "must divide evenly over ray.scaling.num_workers=3"),
     (("trainer.image_group_scope=text",), "needs trainer.images_per_text >= 2"),
+    (("~algorithm.text", "stack.loss_weights={image: 1.0}"), "would train on advantage 0"),
     (("+algorithm.text.normalize_std=false",), "set algorithm.text.normalize_std=True"),
     (("pipeline.height=30",), "pipeline.height=30 must be a positive multiple of 4"),
 ])

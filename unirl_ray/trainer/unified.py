@@ -159,6 +159,13 @@ class UnifiedModelTrainer(RLTrainer):
             if single:
                 raise RecipeError(f"stack.num_updates_per_batch={stack_cls.cfg.num_updates_per_batch} but algorithm."
                                   f"{single[0]} does not support several updates per rollout; set it to 1")
+        n, m = self.texts_per_prompt(), cfg.images_per_text
+        group = {"shared": n, "text": m, "prompt": n * m}[cfg.image_group_scope]
+        if IMAGE_STAGE in self.algorithm and group < 2:  # a group of one has advantage 0: nothing would be learned
+            raise RecipeError(f"trainer.image_group_scope={cfg.image_group_scope} compares each image with {group - 1} "
+                              f"other(s) ({n} text segment(s) x {m} image(s) per prompt): the image stage would train "
+                              "on advantage 0. Without a text stage use image_group_scope: prompt with "
+                              "images_per_text >= 2 (or texts_per_image_only >= 2)")
         texts = self.prompts_per_step * self.texts_per_prompt()
         if texts % workers:
             raise RecipeError(f"trainer.prompts_per_step x algorithm.text.group_size = {texts} text segments per step "

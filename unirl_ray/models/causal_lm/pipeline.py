@@ -71,6 +71,16 @@ def draw_tokens(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp_max(weights.shape[-1] - 1)
 
 
+def next_token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` [B, L] under ``softmax(logits / temperature)`` ([B, L, V]) and that distribution's
+    entropy, both [B, L] float32 with grad."""
+    logits = logits.float() / temperature
+    log_norm = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - log_norm
+    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
 class CausalLMPipeline:
     """Sampling / log-prob recomputation around a ``CausalLMBundle`` (see the module docstring)."""
 
@@ -292,11 +302,7 @@ class CausalLMPipeline:
             position_ids=batch["position_ids"].to(device),
             use_cache=False,
         )
-        logits = out.logits[:, :-1].float() / self.temperature
-        log_norm = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_norm
-        entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        return logp, entropy
+        return next_token_log_probs(out.logits[:, :-1], input_ids[:, 1:], self.temperature)
 
     def teacher_forced_log_probs(
         self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor

@@ -15,7 +15,6 @@ sampled from, which training recomputes exactly).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -23,24 +22,18 @@ import torch
 
 from unirl_ray.config.checks import PositiveInt, check_choice
 from unirl_ray.core.sample import Part, TextPart
-from unirl_ray.models.causal_lm.pipeline import CausalLMPipeline, Temperature, TopP, draw_tokens, nucleus_filter
+from unirl_ray.models.causal_lm.pipeline import (
+    CausalLMPipeline,
+    Temperature,
+    TopP,
+    draw_tokens,
+    next_token_log_probs,
+    nucleus_filter,
+)
 from unirl_ray.models.flow_sde import module_device, to_uint8
-from unirl_ray.models.unified.pipeline import compose
+from unirl_ray.models.unified.pipeline import TextView, compose, text_stage
 
 TEXT_STAGE, IMAGE_STAGE = "text", "image"
-
-
-class _TextView:
-    def __init__(self, bundle: Any) -> None:
-        self._bundle = bundle
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self._bundle.model
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._bundle.tokenizer
 
 
 class JanusImageTokens:
@@ -118,12 +111,7 @@ class JanusImageTokens:
         out = module(input_ids=batch["input_ids"].to(device), image_ids=batch["image_ids"].to(device),
                      image_positions=batch["image_positions"].to(device), attention_mask=batch["attention_mask"].to(device),
                      position_ids=batch["position_ids"].to(device), use_cache=False)
-        logits = out.logits[:, :-1].float() / self.temperature
-        log_norm = torch.logsumexp(logits, dim=-1)
-        targets = batch["image_ids"][:, 1:].to(device)
-        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - log_norm
-        entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        return logp, entropy
+        return next_token_log_probs(out.logits[:, :-1], batch["image_ids"][:, 1:].to(device), self.temperature)
 
 
 class JanusPipeline:
@@ -160,7 +148,7 @@ class JanusPipeline:
                                         ("image_top_p", image_top_p, TopP)):
             check_choice(f"pipeline.{name}", value, annotation)
         self.bundle = bundle
-        self.text = CausalLMPipeline(_TextView(bundle), max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+        self.text = CausalLMPipeline(TextView(bundle, "model"), max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                                      temperature=temperature, top_p=top_p, use_chat_template=use_chat_template,
                                      system_prompt=system_prompt)
         self.image = JanusImageTokens(bundle, temperature=image_temperature, top_p=image_top_p,
@@ -182,9 +170,7 @@ class JanusPipeline:
         for start in range(0, len(requests), micro_batch_size):
             chunk = requests[start : start + micro_batch_size]
             if stage == TEXT_STAGE:
-                outs = self.text.sample([r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk], module=module)
-                out += [([dataclasses.replace(part, stage=TEXT_STAGE, part_id=str(r["sample_id"]))], None)
-                        for r, (part, _) in zip(chunk, outs)]
+                out += text_stage(self.text, chunk, module)
             elif stage == IMAGE_STAGE:
                 contexts = [[int(i) for i in r["context_ids"]] + [self.bundle.boi_token_id] for r in chunk]
                 tokens, log_probs = self.image.sample(module, contexts, [int(r["seed"]) for r in chunk])

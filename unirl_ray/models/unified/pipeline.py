@@ -32,15 +32,15 @@ TEXT_STAGE, IMAGE_STAGE = "text", "image"
 """The stages of a unified sample (``Part.stage``) and the keys of ``UnifiedPipeline.stage_pipelines``."""
 
 
-class _TextView:
-    """What ``CausalLMPipeline`` reads of a bundle: the module to call and the tokenizer."""
+class TextView:
+    """What ``CausalLMPipeline`` reads of a bundle: the module to call (the bundle's ``attr``) and the tokenizer."""
 
-    def __init__(self, bundle: Any) -> None:
-        self._bundle = bundle
+    def __init__(self, bundle: Any, attr: str) -> None:
+        self._bundle, self._attr = bundle, attr
 
     @property
     def model(self) -> torch.nn.Module:
-        return self._bundle.transformer
+        return getattr(self._bundle, self._attr)
 
     @property
     def tokenizer(self) -> Any:
@@ -164,7 +164,7 @@ class UnifiedPipeline:
             share_initial_noise: The images of a group start from the same noise (DanceGRPO).
         """
         self.bundle = bundle
-        self.text = CausalLMPipeline(_TextView(bundle), max_prompt_tokens=max_prompt_tokens,
+        self.text = CausalLMPipeline(TextView(bundle, "transformer"), max_prompt_tokens=max_prompt_tokens,
                                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                      use_chat_template=use_chat_template, system_prompt=system_prompt)
         self.image = UnifiedImagePipeline(bundle, text=self.text, num_inference_steps=num_inference_steps,
@@ -196,9 +196,7 @@ class UnifiedPipeline:
         for start in range(0, len(requests), micro_batch_size):
             chunk = requests[start : start + micro_batch_size]
             if stage == TEXT_STAGE:
-                outs = self.text.sample([r["prompt"] for r in chunk], [int(r["seed"]) for r in chunk], module=module)
-                out += [([dataclasses.replace(part, stage=TEXT_STAGE, part_id=str(r["sample_id"]))], None)
-                        for r, (part, _) in zip(chunk, outs)]
+                out += text_stage(self.text, chunk, module)
             elif stage == IMAGE_STAGE:
                 cond = self.image.cond_from_ids([list(r["context_ids"]) for r in chunk])
                 group_seeds = [int(r["group_seed"]) for r in chunk] if self.needs_group_seeds else None
@@ -210,6 +208,14 @@ class UnifiedPipeline:
             else:
                 raise ValueError(f"unknown stage {stage!r}: this pipeline has stages {', '.join(self.stage_pipelines)}")
         return out
+
+
+def text_stage(text: CausalLMPipeline, requests: list[dict[str, Any]], module: torch.nn.Module) -> list[tuple[list[Part], None]]:
+    """The text stage of a unified pipeline: one segment per request (``prompt``, ``seed``), its Part named
+    ``text`` with ``part_id = sample_id``."""
+    outs = text.sample([r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=module)
+    return [([dataclasses.replace(part, stage=TEXT_STAGE, part_id=str(r["sample_id"]))], None)
+            for r, (part, _) in zip(requests, outs)]
 
 
 def compose(pipeline: Any, requests: list[dict[str, Any]], *, module: torch.nn.Module | None,

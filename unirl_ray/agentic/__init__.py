@@ -1,5 +1,8 @@
-"""Pieces of the agentic trainer that need no Ray: tools a model may call, and the sandbox its code runs in.
+"""Pieces of the agentic trainer that need no Ray: token-in/token-out transcripts, tools a model may call, and
+the sandbox its code runs in.
 
+- ``transcript``: ``TokenTranscript``, a multi-turn trajectory kept as the exact ids sampled (mask 1) and the
+  template's rendering of each observation alone (mask 0), with a strict re-render check;
 - ``tool_calls``: Hermes / Qwen style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` parsing that
   survives malformed calls (the error is what goes back to the model as the observation);
 - ``tools``: the calculator (AST-whitelisted arithmetic) and the sandboxed Python tool;
@@ -10,6 +13,7 @@
 from unirl_ray.agentic.sandbox import PythonSandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 from unirl_ray.agentic.tool_calls import ToolCall, parse_tool_calls
 from unirl_ray.agentic.tools import Calculator, PythonTool, ToolError
+from unirl_ray.agentic.transcript import TokenTranscript, TurnSpan, render_ids, truncate_text
 
 __all__ = ["Calculator", "PythonSandbox", "PythonTool", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
-           "ToolCall", "ToolError", "parse_tool_calls"]
+           "TokenTranscript", "ToolCall", "ToolError", "TurnSpan", "parse_tool_calls", "render_ids", "truncate_text"]

@@ -81,6 +81,7 @@ def ctx(policy, *, first_pass=True, reference=None, loss_scale=1.0, global_units
 
 
 def run(algo, samples, policy, **kw):
+    kw.setdefault("global_units", algo.loss_units(samples))  # what the stack passes: one rank, one micro-batch
     return algo.compute_loss_and_backward(samples, algo.prepare_segment(samples, seed=0), ctx(policy, **kw))
 
 
@@ -197,11 +198,15 @@ def test_global_token_normalisation():
         run(algo, [s], split, global_units=6.0, loss_scale=0.5)
     assert split.delta.grad.item() == pytest.approx(token_sum / 6)
 
-    # per-sequence aggregation uses loss_scale instead
+    # per-sequence aggregation: the sum of sequence means x world_size / the mini-batch's sequences (all ranks)
     seq = GRPO(group_size=2, pipeline=FakePipeline(padded_cur(LENGTHS)))
     policy = Policy()
-    run(seq, samples, policy, loss_scale=0.5, global_units=2.0, world_size=2)
-    assert policy.delta.grad.item() == pytest.approx(0.5 * 0.5)
+    run(seq, samples, policy, loss_scale=0.5, global_units=4.0, world_size=2)  # the other rank holds 2 more
+    assert policy.delta.grad.item() == pytest.approx((-1 + 2) * 2 / 4)
+    split = Policy()
+    for s in samples:  # micro-batches of one sequence each add up to the same mean
+        run(seq, [s], split, loss_scale=0.5, global_units=2.0)
+    assert split.delta.grad.item() == pytest.approx((-1 + 2) / 2)
 
 
 # ----------------------------------------------------------------------------------------------- clipping

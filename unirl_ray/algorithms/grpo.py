@@ -34,13 +34,18 @@ How each departs from the textbook:
   G/(G-1) (r_i - mean_g)``, no std division; here it keeps the PPO clip (one update per batch
   makes ratio 1 and the clip inactive, which is REINFORCE with the RLOO baseline).
 
-Loss scaling across micro-batches and ranks (FSDP averages gradients over ranks):
-``seq_mean_token_mean`` and ``seq_mean_token_sum_norm`` are means over sequences, scaled by
-``ctx.loss_scale`` (the micro-batch share); ``token_mean`` is the sum over this micro-batch's
-valid tokens times ``ctx.world_size / ctx.global_units``, where ``global_units`` is the number of
-valid completion tokens of the mini-batch over all ranks (``loss_units``): the gradient is then
-that of the mean over every token of the global mini-batch, however tokens are spread over ranks
-and micro-batches.
+Loss scaling across micro-batches and ranks (FSDP averages gradients over ranks): every
+aggregation is a sum over this micro-batch times ``ctx.world_size / ctx.global_units``, where
+``global_units`` (``loss_units``) counts the mini-batch's units over all ranks: valid completion
+tokens for ``token_mean``, sequences for ``seq_mean_token_mean`` (sum of per-sequence token means)
+and ``seq_mean_token_sum_norm`` (sum of per-sequence token sums / the constant). The gradient is then
+that of the mean over the whole global mini-batch, however it is spread over ranks and micro-batches.
+
+Multi-turn rows (an agent's trajectory: the turns chained into one sequence, ``core.sample.chain_turns``)
+train their sampled tokens only (observation tokens have loss mask 0), and in the per-sequence
+aggregations each turn counts as a sequence, so one chained row trains exactly as its turns would
+one by one; Dr. GRPO's constant is then the per-turn budget (``max_new_tokens``). A turn trains on
+its own Part's advantage where credit assignment set one (per-turn credit), else the trajectory's.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from unirl_ray.algorithms.advantages import check_finite_advantages, group_advan
 from unirl_ray.algorithms.base import LossContext, StageAlgorithm
 from unirl_ray.algorithms.off_policy import OffPolicyCorrection, correction_stats
 from unirl_ray.config.checks import check_choice, check_literal_args
-from unirl_ray.core.sample import Sample, TextPart, routed_part
+from unirl_ray.core.sample import Sample, TextPart, chain_turns, part_advantage, routed_part, routed_parts
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +145,11 @@ def clipped_policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token and the ratio: ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
 
-    ``log_ratio``: [B, T] ``logp - logp_old``; ``advantages``: [B] (broadcast over tokens).
+    ``log_ratio``: [B, T] ``logp - logp_old``; ``advantages``: [B] (broadcast over tokens) or [B, T] (per token:
+    the turns of a multi-turn row with their own advantages).
     """
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     return torch.maximum(-adv * ratio, -adv * clipped), ratio
 
@@ -167,14 +173,20 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimato
     raise AssertionError(f"kl_estimator {estimator!r} has no formula")
 
 
-def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B] per-sequence mean over its masked tokens (0 for a sequence without any) -- GRPO."""
-    return (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
-
-
-def seq_mean_token_sum_norm(values: torch.Tensor, mask: torch.Tensor, norm: float) -> torch.Tensor:
-    """[B] per-sequence sum over its masked tokens divided by the constant ``norm`` -- Dr. GRPO."""
-    return (values * mask).sum(-1) / norm
+def segment_sums(values: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (row, segment) sums of ``values * mask`` and of ``mask`` ([B, T] each; ``segments`` [B, T] long, -1
+    outside every segment), as two [S] tensors over the S segments present, row by row in segment order."""
+    width = int(segments.max().item()) + 1 if segments.numel() else 0
+    if width <= 0:
+        return values.new_zeros(0), mask.new_zeros(0)
+    rows = torch.arange(segments.shape[0], device=segments.device)[:, None].expand_as(segments)
+    inside = segments >= 0
+    index = (rows * width + segments)[inside]
+    total = values.new_zeros(segments.shape[0] * width).index_add(0, index, (values * mask)[inside])
+    count = mask.new_zeros(segments.shape[0] * width).index_add(0, index, mask[inside])
+    present = torch.zeros(segments.shape[0] * width, dtype=torch.bool, device=segments.device)
+    present[index] = True
+    return total[present], count[present]
 
 
 def token_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -188,6 +200,11 @@ def token_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def text_part(sample: Sample, stage: str | None = None) -> TextPart:
     """The text segment of ``sample`` that ``stage`` trains (``core.sample.routed_part``)."""
     return routed_part(sample, TextPart, stage)
+
+
+def _num_turns(sample: Sample, stage: str | None) -> int:
+    """Turns of ``sample`` trained by ``stage``: each counts as one sequence in the per-sequence aggregations."""
+    return max(1, len(routed_parts(sample, TextPart, stage)))
 
 
 def _valid_tokens(part: TextPart) -> float:
@@ -258,6 +275,28 @@ class GRPO(StageAlgorithm):
     def needs_reference(self) -> bool:
         return self.kl_beta > 0
 
+    def part_of(self, sample: Sample) -> TextPart:
+        """The text this algorithm trains in ``sample``: its one TextPart, or the turns of a multi-turn trajectory
+        chained into one sequence (``chain_turns``: observation tokens masked, each turn a segment)."""
+        turns = routed_parts(sample, TextPart, self.stage)
+        if len(turns) > 1:
+            return chain_turns(sample, turns)  # type: ignore[arg-type]
+        return routed_part(sample, TextPart, self.stage)  # type: ignore[return-value]
+
+    def token_advantages(self, samples: list[Sample], segments: torch.Tensor) -> torch.Tensor:
+        """[B, T] the advantage of each token's turn (``segments`` [B, T] from ``collate``; 0 outside turns):
+        every turn trains on its own Part's advantage where credit assignment set one, else the sample's."""
+        out = torch.zeros(segments.shape, dtype=torch.float32)
+        for b, s in enumerate(samples):
+            turns = routed_parts(s, TextPart, self.stage) or [self.part_of(s)]
+            values = torch.tensor([part_advantage(s, t) for t in turns], dtype=torch.float32)
+            row = segments[b]
+            inside = row >= 0
+            if int(row.max().item()) >= len(values):
+                raise ValueError(f"sample {s.sample_id!r} has {len(values)} turns but its tokens name turn {int(row.max())}")
+            out[b, inside] = values[row[inside]]
+        return out
+
     @property
     def needs_proximal(self) -> bool:
         return self.off_policy.decoupled
@@ -306,7 +345,7 @@ class GRPO(StageAlgorithm):
         """Valid completion tokens for ``token_mean`` (global token normalisation); samples otherwise."""
         if self.loss_aggregation == "token_mean":
             return sum(_valid_tokens(self.part_of(s)) for s in samples)
-        return float(len(samples))
+        return float(sum(_num_turns(s, self.stage) for s in samples))  # a multi-turn row counts each turn
 
     def prepare_segment(self, samples: list[Sample], *, seed: int) -> dict[str, Any]:
         """Freeze pi_old: ``{"old_log_probs": {sample_id: Tensor[C]}}`` (the recorded behaviour log-probs)."""
@@ -339,17 +378,27 @@ class GRPO(StageAlgorithm):
             raise ValueError("seq_mean_token_sum_norm needs loss_norm_tokens or a pipeline with max_new_tokens")
         return float(limit)
 
-    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> tuple[torch.Tensor, float, float]:
-        """(scaled loss to backward, metric sum, metric count) of per-token values under ``loss_aggregation``."""
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, ctx: LossContext,
+                   segments: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float]:
+        """(scaled loss to backward, metric sum, metric count) of per-token values under ``loss_aggregation``.
+
+        The per-sequence aggregations take each turn of a row as a sequence (``segments`` from ``collate``; a
+        row without them is one sequence): its token mean (or token sum / ``loss_norm_tokens``, Dr. GRPO's
+        constant: the per-turn budget ``max_new_tokens`` by default), summed over the micro-batch and
+        normalised by the sequences of the whole mini-batch over all ranks (``loss_units``), so that sequences
+        weigh the same however they are spread over micro-batches and ranks."""
         if self.loss_aggregation == "token_mean":
             total = token_sum(per_token, mask)
             denom = ctx.global_units if ctx.global_units > 0 else 1.0  # 0 only when no token counts (sum is 0)
             return total * (ctx.world_size / denom), total.item(), mask.sum().item()
-        if self.loss_aggregation == "seq_mean_token_mean":
-            per_seq = seq_mean_token_mean(per_token, mask)
-        else:
-            per_seq = seq_mean_token_sum_norm(per_token, mask, self._norm_tokens())
-        return per_seq.mean() * ctx.loss_scale, per_seq.sum().item(), float(per_seq.numel())
+        if segments is None:  # one sequence per row
+            segments = torch.where(mask > 0, 0, -1).long()
+            segments[:, 0] = 0  # a row without a valid token still counts as one (empty) sequence
+        sums, counts = segment_sums(per_token, mask, segments.to(per_token.device))
+        per_seq = sums / (counts.clamp_min(1.0) if self.loss_aggregation == "seq_mean_token_mean" else self._norm_tokens())
+        denom = ctx.global_units if ctx.global_units > 0 else 1.0  # sequences of the mini-batch over all ranks
+        total = per_seq.sum()
+        return total * (ctx.world_size / denom), total.item(), float(per_seq.numel())
 
     def compute_loss_and_backward(
         self, samples: list[Sample], segment: dict[str, Any], ctx: LossContext
@@ -367,7 +416,11 @@ class GRPO(StageAlgorithm):
         logp, entropy = self.pipeline.token_log_probs(ctx.policy, batch)
         mask = batch["completion_mask"].to(logp.device)
         old = batch["old_log_probs"].to(logp.device)
-        adv = self.advantages(samples).to(logp.device)
+        segments = batch.get("segment_ids")  # only when the micro-batch holds a multi-turn row
+        if segments is None:
+            adv = self.advantages(samples).to(logp.device)
+        else:
+            adv = self.token_advantages(samples, segments).to(logp.device)
 
         anchor, is_stats = old, {}
         if self.off_policy.decoupled:  # clip around the proximal policy, weight by pi_prox / pi_behav
@@ -394,11 +447,11 @@ class GRPO(StageAlgorithm):
             per_token = per_token + self.kl_beta * kl
         if self.entropy_coef != 0:
             per_token = per_token - self.entropy_coef * entropy
-        scaled, loss_sum, agg_count = self._aggregate(per_token, mask, ctx)
+        scaled, loss_sum, agg_count = self._aggregate(per_token, mask, ctx, segments)
         scaled.backward()
 
         with torch.no_grad():
-            _, pg_sum, _ = self._aggregate(pg, mask, ctx)
+            _, pg_sum, _ = self._aggregate(pg, mask, ctx, segments)
             lr = log_ratio.detach()
             outside = (ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)
             n_tokens = mask.sum().item()

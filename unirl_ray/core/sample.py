@@ -44,6 +44,9 @@ class Part:
     ``None`` means the sample's reward applies."""
     advantage: float | None = None
     """Per-part advantage; ``None`` means the sample's advantage applies."""
+    policy_version: int | None = None
+    """Version of the weights that generated this Part where it may differ from the sample's (the turns of an
+    agent's trajectory are each tagged); ``None`` means ``Sample.policy_version``."""
 
     def light(self) -> "Part":
         """A copy without the heavy tensors (for the driver)."""
@@ -108,11 +111,15 @@ class TextPart(Part):
     """Decoded completion."""
     num_tokens: int = 0
     """Generated tokens (kept when the part is made light, for length metrics)."""
+    segments: torch.Tensor | None = None
+    """[C] long: the turn each completion token belongs to (0, 1, ...), -1 on tokens that were not sampled
+    (observations, template tokens between turns); ``None``: the completion is one turn. Set on the
+    concatenation of a multi-turn trajectory (``chain_turns``), where each turn counts as a sequence."""
 
     def light(self) -> "TextPart":
         n = int(self.completion_ids.numel()) if self.completion_ids is not None else self.num_tokens
         return dataclasses.replace(
-            self, prompt_ids=None, completion_ids=None, log_probs=None, loss_mask=None, num_tokens=n
+            self, prompt_ids=None, completion_ids=None, log_probs=None, loss_mask=None, num_tokens=n, segments=None
         )
 
     @property
@@ -172,6 +179,53 @@ def routed_part(sample: Sample, part_type: type[Part], stage: str | None = None)
                          + (f" (its {name}s are of stage {', '.join(stages)})" if typed else ""))
     raise ValueError(f"{len(chosen)} {name}s{where} in sample {sample.sample_id!r} and no stage to choose by: "
                      "route each Part to the stage that trains it (Part.stage) and give the algorithm its stage")
+
+
+def routed_parts(sample: Sample, part_type: type[Part], stage: str | None = None) -> list[Part]:
+    """Every Part of ``part_type`` that ``stage`` trains in ``sample``, in order (``routed_part``'s choice
+    without its one-Part rule: the turns of a multi-turn trajectory)."""
+    typed = [p for p in sample.parts if isinstance(p, part_type)]
+    if stage is None:
+        return typed
+    return [p for p in typed if p.stage == stage] or [p for p in typed if p.stage is None]
+
+
+def chain_turns(sample: Sample, turns: list[TextPart]) -> TextPart:
+    """The turns of a multi-turn trajectory as one sequence: ``prompt_ids`` of the first turn, then every turn's
+    sampled ids (loss mask 1, its recorded log-probs, segment = its index) with the observation tokens between
+    turns (mask 0, log-prob 0, segment -1).
+
+    Each turn's context must be exactly everything before it: the previous turn's context, its sampled ids and
+    then the observation. A turn whose context differs in one token (a re-tokenised history) is a
+    ``ValueError``: the ids trained are the ids the engine sampled, token for token.
+    """
+    if len(turns) == 1:
+        return turns[0]
+    for t in turns:
+        if t.is_light:
+            raise ValueError(f"sample {sample.sample_id!r} has a light TextPart; chain_turns needs the full turns")
+    pieces, masks, logps, segs = [], [], [], []
+    prefix = turns[0].prompt_ids.long()
+    n_prompt = len(prefix)
+    for k, turn in enumerate(turns):
+        context = turn.prompt_ids.long()
+        if len(context) < len(prefix) or not torch.equal(context[: len(prefix)], prefix):
+            where = next((i for i in range(min(len(context), len(prefix))) if context[i] != prefix[i]),
+                         min(len(context), len(prefix)))
+            raise ValueError(f"turn {k} of sample {sample.sample_id!r} does not continue the ids before it (first "
+                             f"difference at token {where} of {len(prefix)}): its context was re-tokenised or edited")
+        observation = context[len(prefix):]
+        n_new, n_obs = len(turn.completion_ids), len(observation)
+        mask = turn.loss_mask.float() if turn.loss_mask is not None else torch.ones(n_new)
+        pieces += [observation, turn.completion_ids.long()]
+        masks += [torch.zeros(n_obs), mask]
+        logps += [torch.zeros(n_obs), turn.log_probs.float()]
+        segs += [torch.full((n_obs,), -1, dtype=torch.long), torch.full((n_new,), k, dtype=torch.long)]
+        prefix = torch.cat([context, turn.completion_ids.long()])
+    completion = torch.cat(pieces)
+    return TextPart(stage=turns[0].stage, prompt_ids=turns[0].prompt_ids.long(), completion_ids=completion,
+                    log_probs=torch.cat(logps), loss_mask=torch.cat(masks), segments=torch.cat(segs),
+                    text="".join(t.text for t in turns), num_tokens=len(prefix) - n_prompt)
 
 
 def part_advantage(sample: Sample, part: Part) -> float:

@@ -180,8 +180,26 @@ class CausalLMPipeline:
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
         if not prompts:
             return []
+        return self.sample_ids(self.encode_prompts(prompts), seeds, module=module)
+
+    @torch.no_grad()
+    def sample_ids(
+        self, prompt_ids: list[list[int]], seeds: list[int], *, module: torch.nn.Module | None = None
+    ) -> list[tuple[TextPart, str]]:
+        """``sample`` from contexts given as token ids (token in, token out: an agent's next turn continues
+        from the exact ids of everything before it). Each context must be 1..``max_prompt_tokens`` ids: it is
+        never truncated here (a caller whose context outgrew the limit ends its trajectory instead)."""
+        if len(prompt_ids) != len(seeds):
+            raise ValueError(f"got {len(prompt_ids)} contexts but {len(seeds)} seeds; pass one seed per context")
+        if not prompt_ids:
+            return []
+        for ids in prompt_ids:
+            if not 0 < len(ids) <= self.max_prompt_tokens:
+                raise ValueError(f"a context of {len(ids)} token ids does not fit pipeline.max_prompt_tokens="
+                                 f"{self.max_prompt_tokens} (it needs 1..max_prompt_tokens ids; contexts are never "
+                                 "truncated: end the trajectory or raise max_prompt_tokens)")
+        prompt_ids = [[int(i) for i in ids] for ids in prompt_ids]
         module = self.bundle.model if module is None else module
-        prompt_ids = self.encode_prompts(prompts)
         tokens, log_probs, lengths = self._decode(module, prompt_ids, seeds)
         outputs = []
         for b, ids in enumerate(prompt_ids):
@@ -255,7 +273,9 @@ class CausalLMPipeline:
         Returns ``input_ids`` [B, L], ``attention_mask`` [B, L], ``position_ids`` [B, L], and, aligned
         with the shifted targets ``input_ids[:, 1:]``: ``completion_mask`` [B, L-1] (float, the parts'
         ``loss_mask`` on their completion tokens) and ``old_log_probs`` [B, L-1] (the parts' recorded
-        ``log_probs``, 0 elsewhere).
+        ``log_probs``, 0 elsewhere); ``segment_ids`` [B, L-1] long (the turn of each completion token from
+        the parts' ``segments``, 0 for a one-turn part, -1 outside completions and on untrained tokens between
+        turns) only when some part has several turns.
         """
         if not parts:
             raise ValueError("collate needs at least one TextPart")
@@ -268,6 +288,8 @@ class CausalLMPipeline:
         attention = torch.zeros((batch, length), dtype=torch.long)
         completion_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
         old = torch.zeros((batch, length - 1), dtype=torch.float32)
+        multi_turn = any(p.segments is not None for p in parts)
+        segments = torch.full((batch, length - 1), -1, dtype=torch.long)
         for b, (p, n) in enumerate(zip(parts, seq_lens)):
             n_prompt, n_completion = len(p.prompt_ids), len(p.completion_ids)
             input_ids[b, :n] = torch.cat([p.prompt_ids.long(), p.completion_ids.long()])
@@ -277,14 +299,18 @@ class CausalLMPipeline:
             completion_mask[b, targets] = mask.float()
             if p.log_probs is not None:
                 old[b, targets] = p.log_probs.float()
+            segments[b, targets] = p.segments.long() if p.segments is not None else 0
         positions = torch.arange(length).expand(batch, length).clone()
-        return {
+        out = {
             "input_ids": input_ids,
             "attention_mask": attention,
             "position_ids": positions,
             "completion_mask": completion_mask,
             "old_log_probs": old,
         }
+        if multi_turn:
+            out["segment_ids"] = segments
+        return out
 
     def token_log_probs(
         self, module: torch.nn.Module, batch: dict[str, torch.Tensor]

@@ -17,6 +17,16 @@ def check_version(replica: int, version: int, expected: int, at_least: bool) -> 
     raise StaleWeightsError(f"replica {replica} serves weights v{version}, the controller expects {wanted}")
 
 
+def token_ids_in(requests: list[dict[str, Any]]) -> bool:
+    """Whether ``requests`` give their contexts as token ids (``prompt_ids``) rather than prompt text: all of
+    them or none (``ValueError`` on a mix, which would sample half of a call from re-rendered text)."""
+    given = ["prompt_ids" in r for r in requests]
+    if any(given) and not all(given):
+        raise ValueError("an engine call mixes requests with prompt_ids and requests without; send each kind "
+                         "in its own call")
+    return bool(given) and all(given)
+
+
 class VersionedEngine(abc.ABC):
     """Mixin for engine deployments; subclasses set ``store``, ``version``, ``checksum``, ``replica``
     and implement ``load_weights(version, state, checksum)``, ``_release()`` (give the device memory

@@ -23,7 +23,7 @@ from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.trainside import group_kwargs, samples_from_outputs
 from unirl_ray.rollout.weight_sync import state_checksum
-from unirl_ray.rollout.engines.base import VersionedEngine, check_version
+from unirl_ray.rollout.engines.base import VersionedEngine, check_version, token_ids_in
 from unirl_ray.train.backend.offload import StorageOffloader
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,9 @@ class HFRolloutEngine(VersionedEngine):
             if self.stage is not None:
                 outputs = self.pipeline.sample_stage(self.stage, requests, module=self.module,
                                                      micro_batch_size=len(requests))
+            elif token_ids_in(requests):  # token in, token out: continue from the exact ids given
+                outputs = self.pipeline.sample_ids([r["prompt_ids"] for r in requests],
+                                                   [int(r["seed"]) for r in requests], module=self.module)
             else:
                 outputs = self.pipeline.sample(
                     [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module,

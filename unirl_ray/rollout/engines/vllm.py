@@ -54,7 +54,7 @@ import torch
 from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample, TextPart
 from unirl_ray.rollout.weight_sync import state_checksum
-from unirl_ray.rollout.engines.base import VersionedEngine, check_version
+from unirl_ray.rollout.engines.base import VersionedEngine, check_version, token_ids_in
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +354,14 @@ class VLLMRolloutEngine(VersionedEngine):
         check_version(self.replica, self.version, expected_version, at_least)
         if not requests:
             return []
-        prompt_ids = self.pipeline.encode_prompts([r["prompt"] for r in requests])
+        if token_ids_in(requests):  # token in, token out: the exact ids given (never re-tokenised, never cut)
+            prompt_ids = [[int(i) for i in r["prompt_ids"]] for r in requests]
+            limit = self.pipeline.max_prompt_tokens
+            if any(not 0 < len(ids) <= limit for ids in prompt_ids):
+                raise ValueError(f"a context does not fit pipeline.max_prompt_tokens={limit} ids; contexts are "
+                                 "never truncated (end the trajectory or raise max_prompt_tokens)")
+        else:
+            prompt_ids = self.pipeline.encode_prompts([r["prompt"] for r in requests])
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids],
             [self._sampling_params(r["seed"]) for r in requests],

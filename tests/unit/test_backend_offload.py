@@ -135,3 +135,25 @@ def test_unindexed_accelerator_devices_are_pinned_to_the_current_index(monkeypat
     assert canonical_device("cuda") == torch.device("cuda", 3)
     assert canonical_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert canonical_device("cpu") == torch.device("cpu") and canonical_device("meta") == torch.device("meta")
+
+
+def test_weights_loaded_from_a_folder_are_owned_so_a_colocated_layout_can_free_them(tmp_path):
+    """``from_pretrained`` memory-maps safetensors: such storages cannot be resized, so offload (and a colocated
+    engine's sleep) would refuse them. The backend and the HF engine give those tensors storage of their own
+    (a tied weight stays one Parameter)."""
+    from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
+    from unirl_ray.train.backend.offload import StorageOffloader, own_storage
+
+    tied = CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(tie_word_embeddings=True)))
+    tied.save_pretrained(str(tmp_path))
+    model = CausalLMBundle.from_config(CausalLMConfig(pretrained_model_path=str(tmp_path))).model
+    mapped = [n for n, p in model.named_parameters() if not p.untyped_storage().resizable()]
+    assert mapped  # what the loader hands over is memory-mapped
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    copied = own_storage([model])
+    assert copied == len(mapped) and all(p.untyped_storage().resizable() for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    offloader = StorageOffloader(torch.device("cpu"))
+    assert offloader.offload(model.parameters()) > 0 and offloader.onload() > 0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -37,18 +37,19 @@ AREAS: tuple[tuple[str, str, str], ...] = (
      "with their config schemas."),
     ("algorithms", "unirl_ray.algorithms", "The `algorithm:` section: stage algorithms (pure torch)."),
     ("models", "unirl_ray.models", "The `bundle:` and `pipeline:` sections: model families."),
-    ("rollout", "unirl_ray.rollout", "The `rollout:` and `sync:` sections."),
+    ("rollout", "unirl_ray.rollout", "The `rollout:` and `sync:` sections, and an agentic recipe's `agent:` section."),
     ("rewards", "unirl_ray.rewards",
      "The `reward:` section: `RewardConfig`, one `RewardFnSpec` per source, the reward functions it can name."),
     ("data", "unirl_ray.data", "The `data:` section: prompt sources."),
     ("tracking", "unirl_ray.tracking", "The `tracking:` section and the tracker it configures."),
     ("runtime", "unirl_ray.runtime", "The `ray:` section."),
     ("agentic", "unirl_ray.agentic",
-     "Tools an agent calls (the calculator, sandboxed Python) and the limits of the sandbox its code runs in."),
+     "The `environment:` section of an agentic recipe: the environment contract, `ToolEnvironment`, the tools an "
+     "agent calls (the calculator, sandboxed Python) and the limits of the sandbox its code runs in."),
     ("trainers", "unirl_ray.trainer",
      "The `trainer:` section (a `RunConfig`) and the domain trainers that run a recipe "
      "(`python -m unirl_ray.train_ar` / `train_diffusion` / `train_async_ar` / `train_async_diffusion` / `train_sft` / "
-     "`train_pe` / `train_unified_model`)."),
+     "`train_pe` / `train_unified_model` / `train_agentic`)."),
 )
 """(title, package, what it holds) in the order the reference shows them."""
 
@@ -102,7 +103,9 @@ INTERNAL_MODULES = (
 INTERNAL_CLASSES = ("unirl_ray.rollout.dedicated.DedicatedEngine", "unirl_ray.agentic.sandbox.SandboxResult",
                     "unirl_ray.agentic.tool_calls.ToolCall", "unirl_ray.rollout.dedicated.EngineSet", "unirl_ray.models.unified.model.UnifiedTransformer",
                     "unirl_ray.models.janus.bundle.JanusPolicy", "unirl_ray.models.janus.bundle.ImageTokenOutput",
-                    "unirl_ray.models.janus.pipeline.JanusImageTokens")
+                    "unirl_ray.models.janus.pipeline.JanusImageTokens", "unirl_ray.rollout.manager.RolloutManager",
+                    "unirl_ray.rollout.manager.Trajectory", "unirl_ray.agentic.environment.EnvStep",
+                    "unirl_ray.trainer.agentic.TurnCredit")
 """Classes of documented modules that a recipe never names."""
 
 RECIPE_FACTORIES = ("from_config",)

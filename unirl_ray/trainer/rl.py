@@ -356,11 +356,14 @@ class RLTrainer(BaseTrainer):
         results = self.group.call("generate", [{"requests": shard} for shard in shards])
         return [sample for shard in results for sample in shard]
 
-    def colocated_rollout(self, requests: list[dict[str, Any]], engine: DedicatedEngine | None = None) -> list[Sample]:
+    def colocated_rollout(self, requests: list[dict[str, Any]], engine: DedicatedEngine | None = None, *,
+                          generate: Any = None) -> list[Any]:
         """Train workers and engine (default: ``self.engine``) take turns on the same devices: workers
-        offload, the engine wakes (loading the latest version, verified), generates and sleeps, the
-        workers onload. The turn's timings and bytes are left in ``self._stage_metrics``."""
+        offload, the engine wakes (loading the latest version, verified), generates (``generate(requests)``,
+        default ``engine.generate``: the agentic trainer runs whole trajectories) and sleeps, the workers
+        onload. The turn's timings and bytes are left in ``self._stage_metrics``."""
         engine = engine or self.engine
+        generate = generate or engine.generate
         t0 = time.perf_counter()
         offloaded = self.group.call("offload", {})
         self._stage_metrics = {"colocate/train_bytes_offloaded": float(sum(r["bytes"] for r in offloaded)),
@@ -368,7 +371,7 @@ class RLTrainer(BaseTrainer):
         try:
             self._stage_metrics["timing/engine_wake"] = engine.wake()["seconds"]
             t1 = time.perf_counter()
-            samples = engine.generate(requests)
+            samples = generate(requests)
             self._stage_metrics["timing/engine_generate"] = time.perf_counter() - t1
             asleep = engine.sleep()
             self._stage_metrics |= {"timing/engine_sleep": asleep["seconds"], "colocate/engine_bytes_freed": asleep["bytes"]}

@@ -106,6 +106,12 @@ class CausalLMBundle:
         return directory
 
 
+def tokenizer_from_config(config: CausalLMConfig) -> Any:
+    """The tokenizer ``CausalLMBundle.from_config(config)`` would load, without the model (a driver that renders
+    chat templates: the agentic trainer's transcripts)."""
+    return build_char_tokenizer() if config.is_demo else _load_tokenizer(config.pretrained_model_path)
+
+
 _GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 

@@ -24,7 +24,7 @@ from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.trainside import group_kwargs, samples_from_outputs
 from unirl_ray.rollout.weight_sync import state_checksum
 from unirl_ray.rollout.engines.base import VersionedEngine, check_version, token_ids_in
-from unirl_ray.train.backend.offload import StorageOffloader
+from unirl_ray.train.backend.offload import StorageOffloader, own_storage
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class HFRolloutEngine(VersionedEngine):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if hasattr(self.bundle, "to"):
             self.bundle.to(self.device)
+        own_storage(m for m in vars(self.bundle).values() if isinstance(m, torch.nn.Module))  # freed while asleep
         self._offloader = StorageOffloader(self.device)
         self.store = store
         self.version = -1

@@ -31,7 +31,7 @@ from unirl_ray.config.checks import check_choice
 from unirl_ray.train.backend import checkpoint, dcp_io
 from unirl_ray.train.backend.ema import AdapterEma, MirrorEma, exchange_, local
 from unirl_ray.train.backend.lora import inject_lora, tuner_layers
-from unirl_ray.train.backend.offload import StorageOffloader, canonical_device
+from unirl_ray.train.backend.offload import StorageOffloader, canonical_device, own_storage
 from unirl_ray.train.backend.wrap import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -143,6 +143,7 @@ class FSDPBackend:
             for param in getattr(module, "frozen_parameters", lambda: [])():  # parts the RL losses never reach
                 param.requires_grad_(False)
         module.to(device)
+        own_storage([module, self.reference_module])  # a colocated layout frees it between steps
         if self.ema_full_cfg is not None:
             self.mirror_ema = MirrorEma.plan(module, self.ema_full_cfg)
         if self._shards():

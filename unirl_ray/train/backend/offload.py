@@ -36,6 +36,26 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+@torch.no_grad()
+def own_storage(modules: Iterable[torch.nn.Module | None]) -> int:
+    """Give every parameter and buffer of ``modules`` whose storage is not its own (memory-mapped from a
+    ``from_pretrained`` checkpoint: not resizable, so it could never be freed while a colocated engine holds
+    the device) a copy it owns, in place (a tied weight stays tied: it is one Parameter). Returns the
+    tensors copied."""
+    copied, seen = 0, set()
+    for module in modules:
+        if module is None:
+            continue
+        for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            if tensor.device.type != "meta" and not tensor.untyped_storage().resizable():
+                tensor.data = tensor.data.clone()
+                copied += 1
+    return copied
+
+
 class StorageOffloader:
     """Holds host copies of device storages while they are freed."""
 

@@ -1,0 +1,127 @@
+"""End to end on CPU for the agentic trainer: the tiny LM is taught the calculator's tool-call format with
+``train_sft`` (the shipped transcripts), then trained with agentic GRPO: a colocated HF engine on Ray Serve
+driven turn by turn by the RolloutManager (token in, token out), the calculator called by many trajectories
+at once, the answers scored by the reward Serve app, Ray Train workers (FSDP2) training every assistant
+turn, MLflow.
+
+One straight run serves every assertion: the success rate rises; on every trajectory of every step the ids
+trained are the ids the engine sampled, token for token, and the loss masks are exact; the recorded
+log-probs equal the trainer's (no update between rollout and the first pass); a rank killed during step 5
+is replaced, the run restored from its step-3 checkpoint replays steps 4 and 5 exactly; a new trainer of
+the same run resumes after step 6.
+"""
+
+import pytest
+from support import artifacts, attempts, kill_rank, load, logged, recipe_path, sample_table
+
+from unirl_ray.core.sample import TextPart, chain_turns, routed_parts
+from unirl_ray.trainer.agentic import AgenticTrainer
+from unirl_ray.trainer.sft import SFTTrainer
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+
+STEPS, KILL_AT = 6, 5
+ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=1")
+
+
+@pytest.fixture(scope="module")
+def sft_export(ray_local, tmp_path_factory):
+    """The tiny LM after a short SFT on the tool-use transcripts (it calls the calculator, often wrongly)."""
+    tmp = tmp_path_factory.mktemp("agentic-sft")
+    export = tmp / "export"
+    recipe = load(recipe_path("sft", "tiny", "char_tool_sft.yaml"), tmp, "tool-sft", "trainer.num_steps=200",
+                  "trainer.eval_every=0", "trainer.checkpoint_every=200", "trainer.steps_per_call=100",
+                  f"+trainer.export_dir={export}", experiment="e2e-agentic")
+    SFTTrainer(recipe).fit()
+    return str(export)
+
+
+def agentic(tmp, run_name, export, *overrides):
+    return AgenticTrainer(load(recipe_path("agentic", "tiny", "calculator_grpo.yaml"), tmp, run_name,
+                               f"bundle.config.pretrained_model_path={export}", "tracking.log_samples_every=3",
+                               *ONE_WORKER, *overrides, experiment="e2e-agentic"))
+
+
+@pytest.fixture(scope="module")
+def straight(sft_export, tmp_path_factory):
+    """Six steps with a checkpoint every three; rank 0 is killed as step 5 starts training. Every trajectory
+    of every step is checked as it goes to the ranks."""
+    tmp = tmp_path_factory.mktemp("agentic-run")
+    trainer = agentic(tmp, "calc", sft_export, f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=3")
+    seen = {"rows": 0, "steps": [], "killed": False}
+    learn, train = trainer.learn, trainer.train
+
+    def checked_learn(step, samples, metrics, t_step):
+        seen["steps"].append(step)
+        for s, t in zip(samples, trainer.trajectories):
+            parts = routed_parts(s, TextPart)
+            assert len(parts) == max(t.turns, 1) and all(p.policy_version == trainer.policy_version for p in parts[: t.turns])
+            if t.turns:
+                row = chain_turns(s, parts)
+                ids = row.prompt_ids.tolist() + row.completion_ids.tolist()
+                assert ids == t.transcript.ids[: len(ids)]  # token for token what the engine sampled
+                sampled = [float(m) for m in t.transcript.loss_mask[len(row.prompt_ids): len(ids)]]
+                assert row.loss_mask.tolist() == (sampled if t.failure is None else [0.0] * len(sampled))
+                seen["rows"] += 1
+        return learn(step, samples, metrics, t_step)
+
+    def killing_train(samples, *, seed):
+        if len(seen["steps"]) and seen["steps"][-1] == KILL_AT and not seen["killed"]:
+            seen["killed"] = True
+            kill_rank(trainer, 0)
+        return train(samples, seed=seed)
+
+    trainer.learn, trainer.train = checked_learn, killing_train
+    trainer.fit()
+    return trainer, seen, tmp
+
+
+def test_agentic_grpo_learns_to_use_the_calculator(straight):
+    trainer, seen, _ = straight
+    reward = logged(trainer, "reward/mean")
+    assert sorted(reward) == list(range(1, STEPS + 1))
+    first, last = (reward[1] + reward[2]) / 2, (reward[STEPS - 1] + reward[STEPS]) / 2
+    assert last > first + 0.15, reward  # the success rate (exact match of the answer) rises
+    calls = logged(trainer, "agent/tool_calls_per_traj")
+    assert all(v > 0.5 for v in calls.values()), calls  # the policy calls the tool
+    turns = logged(trainer, "agent/turns_mean")
+    assert all(1.0 < v <= 3.0 for v in turns.values()), turns
+    assert seen["rows"] >= STEPS * 32 * 0.9  # every multi-turn row of every step was checked
+    gap = logged(trainer, "rollout/logp_gap")
+    assert all(v < 1e-4 for v in gap.values()), gap  # engine and trainer agree on the sampled tokens
+    for key in ("agent/tool_error_rate", "agent/tool_latency_s", "agent/failed_frac", "agent/masked_token_frac",
+                "agent/retokenize_mismatch_frac", "agent/turns_max", "timing/weight_sync", "timing/engine_wake"):
+        assert len(logged(trainer, key)) == STEPS, key
+    assert all(v == 0.0 for v in logged(trainer, "agent/retokenize_mismatch_frac").values())
+    assert all(0.3 < v < 0.9 for v in logged(trainer, "agent/masked_token_frac").values())
+
+
+def test_transcripts_are_logged_whole(straight):
+    trainer, _, _ = straight
+    assert sorted(artifacts(trainer, "transcripts")) == [f"transcripts/step_{s:06d}.json" for s in (3, 6)]
+    table = sample_table(trainer, "transcripts/step_000003.json")
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert len(rows) == 8
+    for row in rows:
+        assert row["transcript"].startswith("<|bos|><|user|>" + row["prompt"])
+        if row["tool_calls"]:
+            assert "<tool_call>" in row["transcript"] and "<|tool|>" in row["transcript"] and row["observations"]
+        assert row["finish"] in ("answer", "max_turns", "context_full", "failed")
+
+
+def test_a_killed_rank_replays_exactly_and_the_run_resumes(straight):
+    trainer, seen, tmp = straight
+    assert seen["killed"]
+    for key in ("reward/mean", "train/loss", "agent/turns_mean"):
+        tries = attempts(trainer, key)
+        assert len(tries[4]) == 2 and tries[4][0] == pytest.approx(tries[4][1], abs=1e-6), (key, tries)
+        assert len(tries[5]) >= 1 and len(tries[6]) == 1
+    assert seen["steps"].count(4) == 2  # restored from the step-3 checkpoint, step 4 ran again
+    resumed = agentic(tmp, "calc", trainer.recipe.bundle.config.pretrained_model_path,
+                      f"trainer.num_steps={STEPS + 1}", "trainer.checkpoint_every=3")
+    steps = []
+    learn = resumed.learn
+    resumed.learn = lambda step, *a: (steps.append(step), learn(step, *a))[1]
+    resumed.fit()
+    assert steps == [STEPS + 1] and resumed.tracker.run_id == trainer.tracker.run_id
+    assert sorted(logged(resumed, "reward/mean")) == list(range(1, STEPS + 2))

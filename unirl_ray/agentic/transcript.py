@@ -23,7 +23,9 @@ an error).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
+
+from unirl_ray.config.checks import check_choice
 
 _BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
 
@@ -38,11 +40,14 @@ def render_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], *, tools: Seq
     return [int(i) for i in out]
 
 
-def truncate_text(tokenizer: Any, text: str, max_tokens: int | None, side: str = "right") -> tuple[str, bool]:
+TruncateSide = Literal["left", "right"]
+"""Which end of a long text is cut: ``right`` keeps the head, ``left`` the tail."""
+
+
+def truncate_text(tokenizer: Any, text: str, max_tokens: int | None, side: TruncateSide = "right") -> tuple[str, bool]:
     """``text`` cut to ``max_tokens`` tokens (``side="right"`` keeps the head, ``"left"`` the tail); returns
     the text and whether it was cut."""
-    if side not in ("left", "right"):
-        raise ValueError(f"truncation side must be 'left' or 'right', got {side!r}")
+    check_choice("truncation side", side, TruncateSide)
     if max_tokens is None:
         return text, False
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -13,6 +13,8 @@ to every call. Sides:
 
 - ``manager``: ``RolloutManager`` as the trainer runs it (trajectories open at once, engine calls of up to
   ``requests_per_call`` contexts, tool calls on a pool of ``--tool-workers`` threads);
+- ``manager_one_tool_worker``: the same with one tool worker (tool calls one after another; what concurrent
+  tools add on top of batched engine calls);
 - ``sequential``: one trajectory at a time, each turn one engine call, its tool calls inline.
 
 Reported per side (medians over ``--repeats`` runs, the sides interleaved): trajectories/s, turns/s,
@@ -46,8 +48,8 @@ class TimedEngine:
         self.lock = threading.Lock()
 
     def generate(self, requests):
-        t0 = time.perf_counter()
         with self.lock:  # one replica: calls take turns, as on a Serve replica
+            t0 = time.perf_counter()
             out = self.engine._generate(requests, self.engine.version)  # noqa: SLF001 - the replica's body
             self.busy += time.perf_counter() - t0
             self.calls += 1
@@ -189,14 +191,16 @@ def main() -> int:
         return lambda: ToolEnvironment(tools=[Delayed(Calculator(), latency)], max_turns=3, tokenizer=tok,
                                        max_tool_response_tokens=16, tool_timeout_s=30)
 
-    results = {"manager": [], "sequential": [], "overhead_per_turn_s": []}
+    sides = ("manager", "manager_one_tool_worker", "sequential")
+    results = {**{side: [] for side in sides}, "overhead_per_turn_s": []}
     for rep in range(args.repeats):
-        for side in ("manager", "sequential"):
+        for side in sides:
             timed = TimedEngine(engine, cfg)
             reqs = requests(args.trajectories, rep)
             t0 = time.perf_counter()
-            if side == "manager":
-                out = run_manager(timed, env_factory(args.tool_latency), tok, reqs, args.tool_workers, context)
+            if side.startswith("manager"):
+                workers = args.tool_workers if side == "manager" else 1
+                out = run_manager(timed, env_factory(args.tool_latency), tok, reqs, workers, context)
                 turns = sum(t.turns for t in out)
                 calls = sum(t.env.stats().get("tool_calls", 0) for t in out)
             else:
@@ -206,7 +210,7 @@ def main() -> int:
             results[side].append({"wall_s": wall, "traj_per_s": len(reqs) / wall, "turns": turns,
                                   "turns_per_s": turns / wall, "engine_busy_s": timed.busy, "engine_calls": timed.calls,
                                   "tool_calls": calls})
-            print(f"rep {rep} {side:>10}: {len(reqs) / wall:6.2f} traj/s  {turns / wall:6.2f} turns/s  wall {wall:6.2f}s  "
+            print(f"rep {rep} {side:>23}: {len(reqs) / wall:6.2f} traj/s  {turns / wall:6.2f} turns/s  wall {wall:6.2f}s  "
                   f"engine busy {timed.busy:6.2f}s in {timed.calls} calls", flush=True)
         timed = TimedEngine(engine, cfg)  # zero tool latency: what the manager adds around the engine
         reqs = requests(args.trajectories, 100 + rep)
@@ -220,14 +224,17 @@ def main() -> int:
         return statistics.median(r[key] for r in results[side])
 
     ratio = med("manager", "traj_per_s") / med("sequential", "traj_per_s")
+    tools_ratio = med("manager", "traj_per_s") / med("manager_one_tool_worker", "traj_per_s")
     print()
-    print(f"trajectories/s   manager {med('manager', 'traj_per_s'):.2f}   sequential {med('sequential', 'traj_per_s'):.2f}"
-          f"   ratio {ratio:.2f}x   (tool latency {args.tool_latency}s, {args.trajectories} trajectories, "
-          f"median of {args.repeats})")
+    print(f"trajectories/s   manager {med('manager', 'traj_per_s'):.2f}   manager, 1 tool worker "
+          f"{med('manager_one_tool_worker', 'traj_per_s'):.2f}   sequential {med('sequential', 'traj_per_s'):.2f}")
+    print(f"ratios           manager / sequential {ratio:.2f}x   concurrent / serial tools {tools_ratio:.2f}x   "
+          f"(tool latency {args.tool_latency}s, {args.trajectories} trajectories, median of {args.repeats})")
     print(f"engine calls     manager {med('manager', 'engine_calls'):.0f}   sequential {med('sequential', 'engine_calls'):.0f}")
     print(f"manager overhead per turn (no tool latency): {1e3 * statistics.median(results['overhead_per_turn_s']):.2f} ms")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results, "ratio": ratio}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results, "ratio": ratio,
+                                                   "tools_ratio": tools_ratio}, indent=1))
     return 0
 
 

@@ -63,7 +63,8 @@ class TurnCredit(CreditAssignment):
     """``trainer.credit: turn``: turn ``k`` of a trajectory trains on ``(G_k - mean_g) / (std_g + eps)``, where
     ``G_k`` is the reward of the answer plus the environment's rewards of turns ``k, k+1, ...`` and
     ``mean_g`` / ``std_g`` are over the returns ``G_0`` of the trajectory's group (its valid members). A
-    trajectory with an invalid reward gets 0 on every turn."""
+    trajectory with an invalid reward, or in a group whose valid returns are all equal (no signal), gets 0 on
+    every turn."""
 
     def assign(self, samples: list[Sample]) -> dict[str, float]:
         baseline, metrics = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
@@ -75,7 +76,7 @@ class TurnCredit(CreditAssignment):
         for s, adv in zip(samples, baseline):
             turns = routed_parts(s, TextPart, getattr(self.algorithm, "stage", None))
             values = stats.get(s.group_id, [])
-            if s.reward is None or not math.isfinite(s.reward) or len(values) < 2 or adv == 0.0:
+            if s.reward is None or not math.isfinite(s.reward) or len(values) < 2 or max(values) == min(values):
                 for part in turns:
                     part.advantage = 0.0
                 s.advantage = 0.0

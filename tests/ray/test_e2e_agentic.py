@@ -48,7 +48,7 @@ def straight(sft_export, tmp_path_factory):
     of every step is checked as it goes to the ranks."""
     tmp = tmp_path_factory.mktemp("agentic-run")
     trainer = agentic(tmp, "calc", sft_export, f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=3",
-                      "++ray.max_failures=1")
+                      "++ray.max_failures=1", "trainer.eval_every=3", "trainer.eval_num_prompts=8")
     seen = {"rows": 0, "steps": [], "killed": False}
     learn, train = trainer.learn, trainer.train
 
@@ -109,6 +109,16 @@ def test_transcripts_are_logged_whole(straight):
         if row["tool_calls"]:
             assert "<tool_call>" in row["transcript"] and "<|tool|>" in row["transcript"] and row["observations"]
         assert row["finish"] in ("answer", "max_turns", "context_full", "failed")
+
+
+def test_evaluation_runs_whole_trajectories_on_held_out_prompts(straight):
+    trainer, _, _ = straight
+    evals = logged(trainer, "eval/reward_mean")
+    assert sorted(evals) == [3, 6] and all(0.0 <= v <= 1.0 for v in evals.values())
+    assert all(v > 0.5 for v in logged(trainer, "eval/agent/tool_calls_per_traj").values())
+    table = sample_table(trainer, "eval/transcripts_step_000006.json")
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert len(rows) == 8 and all(r["transcript"].startswith("<|bos|><|user|>") for r in rows)
 
 
 def test_a_killed_rank_replays_exactly_from_the_checkpoint(straight):

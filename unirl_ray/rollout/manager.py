@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -128,6 +129,7 @@ class RolloutManager:
         self._engine_pool = cf.ThreadPoolExecutor(self.max_calls, thread_name_prefix="agent-engine")
         self._tool_pool = cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="agent-tools")
         self._engine_calls: set[cf.Future] = set()
+        self._calls_lock = threading.Lock()  # done-callbacks run on the engine threads
         self.peak_open = 0
         self.peak_calls = 0
 
@@ -153,8 +155,9 @@ class RolloutManager:
                 batch, ready = ready[: self.per_call], ready[self.per_call :]
                 future = self._engine_pool.submit(self.engine.generate, [self._turn_request(t) for t in batch])
                 calls[future] = batch
-                self._engine_calls.add(future)
-                future.add_done_callback(self._engine_calls.discard)
+                with self._calls_lock:
+                    self._engine_calls.add(future)
+                future.add_done_callback(self._call_done)
             self.peak_calls = max(self.peak_calls, len(calls))
             pending = set(calls) | set(steps)
             now = time.monotonic()
@@ -178,10 +181,16 @@ class RolloutManager:
     def quiesce(self, timeout_s: float | None = None) -> None:
         """Wait until no engine call is in flight (before a weight sync); ``TimeoutError`` past ``timeout_s``."""
         timeout_s = float(self.engine.cfg.timeout_s) if timeout_s is None else timeout_s
-        _, still = cf.wait(list(self._engine_calls), timeout=timeout_s)
+        with self._calls_lock:
+            in_flight = list(self._engine_calls)
+        _, still = cf.wait(in_flight, timeout=timeout_s)
         if still:
             raise TimeoutError(f"{len(still)} engine call(s) still in flight after {timeout_s:.0f}s; "
                                "the weights are not synced while the engine samples")
+
+    def _call_done(self, future: cf.Future) -> None:
+        with self._calls_lock:
+            self._engine_calls.discard(future)
 
     def shutdown(self) -> None:
         self._engine_pool.shutdown(wait=False, cancel_futures=True)
@@ -243,7 +252,11 @@ class RolloutManager:
         if finished or not observation:
             traj.finish = str(getattr(traj.env, "finish_reason", None) or "done")
             return
-        traj.transcript.add_observation(observation)
+        try:
+            traj.transcript.add_observation(observation)
+        except (ValueError, TypeError, KeyError) as exc:  # messages the chat template cannot render
+            self._fail(traj, f"the observation cannot be rendered: {type(exc).__name__}: {exc}")
+            return
         if len(traj.transcript.ids) > self.max_context_tokens:
             traj.finish = "context_full"
             return

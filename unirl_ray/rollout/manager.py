@@ -264,6 +264,7 @@ class RolloutManager:
 
     def _fail(self, traj: Trajectory, reason: str) -> None:
         traj.failure, traj.finish = reason, "failed"
+        log.info("trajectory %s failed: %s", traj.request.get("sample_id"), reason)
 
     def _finish(self, traj: Trajectory, open_: list[Trajectory], done: dict[str, Trajectory]) -> None:
         open_.remove(traj)

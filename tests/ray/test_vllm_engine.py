@@ -182,6 +182,17 @@ def test_vllm_logprobs_match_hf_across_updates(ray_local, request, tied):
     again = engine.generate(list(reversed(reqs)), v)[::-1]
     assert completions(again) == completions(samples)
     assert completions(engine.generate(requests(seed0=1000), v)) != completions(samples)
+    # token in, token out: a context given as ids samples exactly as the same prompt given as text, and an
+    # agent's next turn continues from the exact ids (its first turn's, plus an observation), never re-tokenised
+    as_ids = [dict(r, prompt_ids=pipeline.encode_prompts([r["prompt"]])[0]) for r in reqs]
+    assert completions(engine.generate(as_ids, v)) == completions(samples)
+    turn2 = [dict(r, sample_id=r["sample_id"] + "/t1", prompt_ids=s.parts[0].prompt_ids.tolist()
+                  + s.parts[0].completion_ids.tolist() + [40, 41]) for r, s in zip(reqs, samples)]
+    turn2 = [r for r in turn2 if len(r["prompt_ids"]) <= 48]  # pipeline.max_prompt_tokens: never truncated
+    assert turn2
+    continued = engine.generate(turn2, v)
+    assert [s.parts[0].prompt_ids.tolist() for s in continued] == [r["prompt_ids"] for r in turn2]
+    assert max_gap(pipeline, model, continued) < GAP
 
     # the next version: perturbed weights (for tied embeddings: the shared matrix too, which is the output layer)
     torch.manual_seed(1)

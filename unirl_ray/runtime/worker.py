@@ -163,9 +163,11 @@ def worker_main(config: dict[str, Any]) -> None:
     if ray.get(broker.is_closed.remote(), timeout=60):
         return  # the controller gave up on this run (a failed start) before this worker came up
     torch.manual_seed(int(config.get("seed", 0)))
+    # a run without datasets has no shard provider at all (TrainGroup starts none): it opens no shards
+    opener = _shard_opener if config.get("has_datasets", True) else (lambda name: None)
     try:
         cls = rank_class(config.get("rank_class") or DEFAULT_RANK_CLASS)
-        worker = cls(config["sections"], topology=topology, device=_device(config["use_gpu"]), open_shard=_shard_opener)
+        worker = cls(config["sections"], topology=topology, device=_device(config["use_gpu"]), open_shard=opener)
         restored_step, state = _restore(worker)
     except Exception as exc:  # report build errors to the driver instead of a bare worker crash
         info = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import artifacts, drive, history, kill_engine_replica, make, recipe_path
+from support import artifacts, drive, history, kill_engine_replica, logged, make, recipe_path
 
 from unirl_ray.trainer.ar import ARTrainer
 
@@ -61,6 +61,12 @@ def test_direct_rollout_learns_and_logs_text(ray_local, tmp_path):
     for key in ("rollout/response_len_mean", "perf/rollout_tokens_per_s", "algo/clip_frac", "train/loss"):
         assert history(trainer, key), key
     assert any(a.endswith("step_000010.json") for a in artifacts(trainer, "samples"))
+    # where the start-up went, logged once with step 1, each milestone after the one before it
+    startup = {m: logged(trainer, f"startup/{m}_s") for m in ("setup", "ray", "workers", "services", "tracking", "first_step")}
+    assert all(list(v) == [1] for v in startup.values()), startup
+    offsets = [v[1] for v in startup.values()]
+    assert offsets == sorted(offsets) and offsets[0] >= 0, offsets
+    assert 0 <= logged(trainer, "startup/reward_app_s")[1] <= startup["services"][1]
     assert_exported(trainer, str(tmp_path / "export"), str(tmp_path / "after_fit"))
 
 

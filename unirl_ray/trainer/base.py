@@ -282,7 +282,14 @@ class BaseTrainer(ABC):
             f.write(to_yaml(self.recipe))
 
     def setup(self) -> int:
-        """Join Ray, deploy services, start the workers, open tracking; returns the last done step."""
+        """Join Ray, deploy services, start the workers, open tracking; returns the last done step.
+
+        Each milestone is marked on ``self.startup`` (``runtime.startup``); ``run_steps`` logs them after the
+        first step."""
+        from unirl_ray.runtime.startup import StartupClock
+
+        self.startup = StartupClock()
+        self.startup.mark("setup")
         self.check_resumed_recipe()  # before Ray: a changed recipe never starts anything
         where = self._local_run_dir()
         shown = os.environ.get("UNIRL_PRINT_RECIPE") == "1"
@@ -292,6 +299,7 @@ class BaseTrainer(ABC):
         if shown:
             print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
         log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
+        self.startup.mark("ray")
         check_cluster_fits(self.ray_cfg, self.extra_resources())
         from unirl_ray.runtime import run_lock
 
@@ -304,6 +312,7 @@ class BaseTrainer(ABC):
                                  name="unirl-mlflow-prepare", daemon=True)
         store.start()
         announced = self.start_workers()
+        self.startup.mark("services")
         store.join(timeout=120)
         state = announced.get("controller") or {}
         start_step = int(announced.get("restored_step", 0))
@@ -311,6 +320,7 @@ class BaseTrainer(ABC):
             log.warning("resuming with trainer.seed=%s, but the run was started with seed %s: the "
                         "remaining steps will not match an uninterrupted run", self.run_cfg.seed, state["seed"])
         self.start_tracking(state.get("mlflow_run_id"), resumed=start_step > 0)
+        self.startup.mark("tracking")
         self.restore(state)
         self._start_state = self.controller_state()  # what a restart before the first checkpoint rewinds to
         if start_step:
@@ -330,7 +340,7 @@ class BaseTrainer(ABC):
         while step <= cfg.num_steps:
             try:
                 metrics = self.run_step(step)
-                self.tracker.log_metrics(metrics, step=step)
+                self.tracker.log_metrics({**metrics, **self._first_step_done()}, step=step)
                 if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
                     self.save_checkpoint(step)
             except WorkerGroupRestarted as exc:
@@ -339,6 +349,16 @@ class BaseTrainer(ABC):
             console(progress_line(step, cfg.num_steps, metrics))
             step += 1
         return metrics
+
+    def _first_step_done(self) -> dict[str, float]:
+        """After the first step this process ran: the start-up milestones (printed; returned to be logged
+        with the step's metrics); ``{}`` after any other."""
+        clock = getattr(self, "startup", None)
+        if clock is None or "first_step" in clock.marks:
+            return {}
+        clock.mark("first_step")
+        console(clock.summary())
+        return clock.metrics()
 
     def recover(self, step: int, cause: BaseException) -> int:
         """The worker group restarted during ``step``: wait for the new workers (restored from the last
@@ -384,6 +404,8 @@ class BaseTrainer(ABC):
         )
         t0 = time.perf_counter()
         announced = self.group.start()
+        if getattr(self, "startup", None) is not None:
+            self.startup.mark("workers")
         log.info("%d train workers ready in %.1fs", self.group.world_size, time.perf_counter() - t0)
         return announced
 

@@ -253,6 +253,7 @@ class PETrainer(RLTrainer):
         self._stage_metrics = {}
         self._reward_deploy = _in_background("reward", RewardClient.deploy, self.reward_cfg,
                                              app_name=f"{self.run_cfg.run_name}-reward")
+        self._mark_when_done(self._reward_deploy, "reward_app")
         names = list(self.engine_cfgs)
         self.engine_set = EngineSet(
             self.engine_cfgs, app_names={n: f"{self.run_cfg.run_name}-rollout-{n}" for n in names},

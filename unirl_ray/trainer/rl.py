@@ -177,6 +177,7 @@ class RLTrainer(BaseTrainer):
         self._stage_metrics: dict[str, float] = {}
         self._reward_deploy: Future | None = _in_background(
             "reward", RewardClient.deploy, self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
+        self._mark_when_done(self._reward_deploy, "reward_app")
         if self.dedicated is not None:
             deploy = functools.partial(DedicatedEngine.deploy, self.dedicated, app_name=self._engine_app_name(),
                                        sections=engine_sections(self.recipe, self.backend_cfgs), seed=self.run_cfg.seed)
@@ -185,6 +186,13 @@ class RLTrainer(BaseTrainer):
                 self.engine.sleep()  # give the devices to the train workers that start next
             else:  # a separate engine builds its model while the train workers start; start_workers waits
                 self._engine_deploy = _in_background("engine", deploy)
+                self._mark_when_done(self._engine_deploy, "engine")
+
+    def _mark_when_done(self, future: Future, milestone: str) -> None:
+        """Mark ``milestone`` on the start-up clock when a background deploy succeeds."""
+        clock = getattr(self, "startup", None)
+        if clock is not None:
+            future.add_done_callback(lambda f: f.exception() is None and clock.mark(milestone))
 
     def _engine_app_name(self) -> str:
         return f"{self.run_cfg.run_name}-rollout"

@@ -164,7 +164,7 @@ class SFTTrainer(BaseTrainer):
                     step += 1
                     if self._eval_due(step):  # calls end at eval steps: the weights are this step's
                         metrics |= self.evaluate()
-                    self.tracker.log_metrics(metrics, step=step)
+                    self.tracker.log_metrics({**metrics, **self._first_step_done()}, step=step)
                     console(sft_progress_line(step, cfg.num_steps, metrics, self.totals))
                 if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
                     self.save_checkpoint(step)

@@ -298,6 +298,15 @@ class BareLoop:
 # (C) TRL's GRPOTrainer, run in a thread and paused between blocks
 
 
+def _no_activation_checkpointing(config_class: type) -> dict[str, bool]:
+    """The argument that turns activation checkpointing off, by the name this TRL / transformers uses
+    (``gradient_checkpointing`` in TRL 1.16 with transformers 5.x, ``activation_checkpointing`` elsewhere)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {name: False for name in ("activation_checkpointing", "gradient_checkpointing") if name in names}
+
+
 class TRLSide:
     """TRL ``GRPOTrainer`` on a fresh copy of the same tiny model; ``train()`` runs in a thread.
 
@@ -343,7 +352,7 @@ class TRLSide:
             use_cpu=True,
             bf16=False,
             fp16=False,
-            activation_checkpointing=False,  # TRL's default is on (gradient_checkpointing=True)
+            **_no_activation_checkpointing(GRPOConfig),  # TRL's default is on
             seed=task.seed,
             max_steps=total_steps + 1,  # one more than measured: the gate holds the thread at its start
             per_device_train_batch_size=task.micro,

@@ -123,6 +123,9 @@ def separate_engine_run(ray_local, tmp_path_factory):
             assert_workers_at_driver_priority(trainer)
             return
         assert metrics["weight_sync/version"] == step  # a new version after every train step
+        # rank 0 put the weights in the object store itself (the driver only passed the reference on)
+        assert metrics["weight_sync/put_s"] > 0 and metrics["weight_sync/checksum_s"] > 0
+        assert metrics["weight_sync/replica_load_s"] > 0 and metrics["weight_sync/bytes"] > 0
         assert metrics["rollout/version_lag_max"] == 0
         assert metrics["rollout/response_len_mean"] > 0
         assert metrics["rollout/logp_gap"] < 1e-4, metrics["rollout/logp_gap"]  # engine == trainer log-probs

@@ -106,3 +106,26 @@ def test_checksum_of_live_parameters_leaves_them_offloadable():
     assert offloader.offload(list(layer.parameters())) > 0
     offloader.onload()
     assert state_checksum(dict(layer.named_parameters())) == before
+
+
+def test_staged_weights_pickle_out_of_band_from_the_live_memory_and_leave_it_resizable():
+    """What ``stage_weights`` puts in the object store: each tensor one out-of-band buffer read in place
+    (protocol 5, as Ray serialises), rebuilt over the received bytes with names, dtypes and shapes intact;
+    the live parameter's storage can still be freed afterwards (colocated layouts do)."""
+    import pickle
+
+    from unirl_ray.rollout.weight_sync import _BufferTensor
+
+    live = torch.nn.Parameter(torch.randn(4, 3))
+    state = {"w": live, "b": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "s": torch.tensor(2.5),
+             "e": torch.empty(0, 3), "t": torch.randn(3, 5).t()}
+    buffers = []
+    data = pickle.dumps({k: _BufferTensor(v) for k, v in state.items()}, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == len(state) and len(data) < 1024  # the bytes travel out of band, not in the pickle
+    got = pickle.loads(data, buffers=[memoryview(b.raw()).toreadonly() for b in buffers])
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v.detach()), k
+    assert state_checksum(got) == state_checksum(state)
+    in_band = pickle.loads(pickle.dumps({"w": _BufferTensor(live)}, protocol=4))
+    assert torch.equal(in_band["w"], live.detach())
+    live.data.untyped_storage().resize_(0)  # not pinned by the export

@@ -80,8 +80,10 @@ class DedicatedRollout:
 class DedicatedEngine:
     """Driver-side: deploy, publish weights, generate, shut down."""
 
-    def __init__(self, cfg: DedicatedRollout, app_name: str, handle: Any, store: Any) -> None:
+    def __init__(self, cfg: DedicatedRollout, app_name: str, handle: Any, store: Any,
+                 store_id: tuple[str, str] | None = None) -> None:
         self.cfg, self.app_name, self.handle, self.store = cfg, app_name, handle, store
+        self.store_id = store_id  # (name, namespace) of store: where the train ranks stage what they export
         self.version = -1
         self.checksum: str | None = None
 
@@ -118,14 +120,15 @@ class DedicatedEngine:
                 f"replica(s) x {cfg.ray_actor_options}; check free resources with `ray status`"
             ) from None
         log.info("rollout engine %r ready in %.1fs (%d replicas)", app_name, time.perf_counter() - t0, cfg.num_replicas)
-        return cls(cfg, app_name, handle, store)
+        return cls(cfg, app_name, handle, store, (store_name, NAMESPACE))
 
     @property
     def colocated(self) -> bool:
         return self.cfg.placement == "colocated"
 
-    def publish(self, version: int, ref: Any, checksum: str, *, timeout_s: float) -> None:
-        """Record ``version`` in the store, load it on every replica, verify every replica serves it.
+    def publish(self, version: int, ref: Any, checksum: str, *, timeout_s: float) -> dict[str, float]:
+        """Record ``version`` in the store, load it on every replica, verify every replica serves it;
+        ``{"weight_sync/replica_load_s": slowest replica's checksum + load}`` where the replicas say.
 
         Colocated engines sleep between rollouts: they load the recorded version when woken
         (``wake`` verifies it), so publishing only records it.
@@ -134,10 +137,15 @@ class DedicatedEngine:
 
         ray.get(self.store.publish.remote(version, [ref], checksum), timeout=60)
         self.checksum = checksum
+        metrics: dict[str, float] = {}
         if not self.colocated:
             reports = self.handle.broadcast("load_weights", version, ref, checksum).results(timeout_s=timeout_s)
             self._verify(reports, version)
+            loads = [float(r["load_s"]) for r in reports if "load_s" in r]
+            if loads:
+                metrics["weight_sync/replica_load_s"] = max(loads)
         self.version = version
+        return metrics
 
     def _verify(self, reports: list[dict[str, Any]], version: int) -> None:
         wrong = [r for r in reports if r["version"] != version or r["checksum"] != self.checksum]
@@ -294,10 +302,10 @@ class EngineSet:
         for side in dict.fromkeys(self.feeds[name] for name in self.engines):
             t0 = time.perf_counter()
             version = versions[side] if isinstance(versions, dict) else int(versions)
-            ref, checksum, metrics = sync.export(group, version, side)
             fed = [name for name in self.engines if self.feeds[name] == side]
+            ref, checksum, metrics = sync.export(group, version, side, store=self.engines[fed[0]].store_id)
             for name in fed:
-                self.engines[name].publish(version, ref, checksum, timeout_s=sync.timeout_s)
+                metrics.update(self.engines[name].publish(version, ref, checksum, timeout_s=sync.timeout_s))
             out[side] = {**metrics, "weight_sync/engines": float(len(fed)),
                          "weight_sync/seconds": time.perf_counter() - t0}
         return out

@@ -1,15 +1,19 @@
 """Versioned, verified weight sync from the train workers to a dedicated rollout engine.
 
 ``TensorWeightSync.push``: rank 0 gathers the full trainable weights (full model, or LoRA adapters
-only), the driver puts them in the object store once and records them in the run's
-``WeightStore`` (so a replica that starts later pulls the latest version itself), every replica
-loads them through ``handle.broadcast`` and reports ``(version, checksum)``; a mismatch is an
-error, never a silent stale rollout.
+only), puts them in the object store once and stages the reference in the engine's ``WeightStore``;
+the driver records them as the store's latest version (a replica that starts later pulls it itself),
+every replica loads them through ``handle.broadcast`` (replicas of one node map the same copy) and
+reports ``(version, checksum)``; a mismatch is an error, never a silent stale rollout. The weights
+never pass through the driver.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,15 +23,46 @@ import torch
 from unirl_ray.core.wire import wire
 
 
+_CHUNK_BYTES = 32 << 20
+_hash_pool: Any = None
+
+
+def _chunk_digests(tensor: torch.Tensor) -> list[bytes]:
+    """SHA-256 of each ``_CHUNK_BYTES`` slice of the tensor's bytes, read in place (no copy of a CPU
+    contiguous tensor; hashlib releases the GIL, so slices hash in parallel).
+
+    The bytes are read through their address (``_address_view``)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if not nbytes:
+        return []
+    data = _address_view(flat)
+    try:
+        return [hashlib.sha256(data[i : i + _CHUNK_BYTES]).digest() for i in range(0, nbytes, _CHUNK_BYTES)]
+    finally:
+        data.release()
+        del flat  # held until the bytes are read
+
+
 def state_checksum(state: dict[str, torch.Tensor]) -> str:
-    """Content hash of a state dict (names, dtypes, shapes and bytes), order-independent."""
+    """Content hash of a state dict (names, dtypes, shapes and bytes), order-independent.
+
+    The bytes are hashed with SHA-256 in slices of 32 MiB on a small thread pool (several GB/s on a few
+    cores: a sync of a large model checks every byte on the train rank and on every replica)."""
+    global _hash_pool
+    if _hash_pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _hash_pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)),
+                                        thread_name_prefix="unirl-checksum")
+    names = sorted(state)
+    digests = _hash_pool.map(lambda name: _chunk_digests(state[name]), names)
     digest = hashlib.blake2b(digest_size=16)
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous()
-        if tensor.untyped_storage().data_ptr() == state[name].untyped_storage().data_ptr():
-            tensor = tensor.clone()  # .numpy() would pin a live parameter's storage (no offload afterwards)
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    for name, chunks in zip(names, digests):
+        tensor = state[name]
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{len(chunks)}|".encode())
+        for chunk in chunks:
+            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -48,6 +83,14 @@ def _weight_store_cls():
 
         def __init__(self) -> None:
             self.latest: dict[str, Any] | None = None
+            self.staged: dict[str, Any] | None = None
+
+        def stage(self, version: int, ref_box: list, checksum: str) -> None:
+            """Rank 0 exported ``version`` (its object, owned here); the driver publishes it next."""
+            self.staged = {"version": version, "ref": ref_box, "checksum": checksum}
+
+        def get_staged(self) -> dict[str, Any] | None:
+            return self.staged
 
         def publish(self, version: int, ref_box: list, checksum: str) -> None:
             self.latest = {"version": version, "ref": ref_box, "checksum": checksum}
@@ -80,26 +123,94 @@ class TensorWeightSync:
         return step % self.every == 0
 
     def push(self, group: Any, engine: Any, version: int, side: str | None = None) -> dict[str, float]:
-        """Export from the train ranks (side ``side`` where the ranks hold several), publish once, load on
-        every replica, verify."""
+        """Export from the train ranks (side ``side`` where the ranks hold several) into the engine's store,
+        publish, load on every replica, verify."""
         t0 = time.perf_counter()
-        ref, checksum, metrics = self.export(group, version, side)
-        engine.publish(version, ref, checksum, timeout_s=self.timeout_s)
+        ref, checksum, metrics = self.export(group, version, side, store=getattr(engine, "store_id", None))
+        metrics.update(engine.publish(version, ref, checksum, timeout_s=self.timeout_s) or {})
         return {**metrics, "weight_sync/seconds": time.perf_counter() - t0}
 
-    def export(self, group: Any, version: int, side: str | None = None) -> tuple[Any, str, dict[str, float]]:
+    def export(self, group: Any, version: int, side: str | None = None, *,
+               store: tuple[str, str] | None = None) -> tuple[Any, str, dict[str, float]]:
         """Gather the trainable weights from the train ranks into the object store once:
-        ``(object ref, checksum, metrics)``; ``engine.publish`` then loads and verifies them."""
+        ``(object ref, checksum, metrics)``; ``engine.publish`` then loads and verifies them.
+
+        ``store`` (``(name, namespace)`` of a ``WeightStore``): rank 0 puts the weights in the object store
+        itself and stages the reference there; only the reference reaches the driver. Without
+        one the weights come back through the driver, which puts them (one copy more on the way)."""
         import ray
 
         t0 = time.perf_counter()
-        exported = group.call("export_weights", {} if side is None else {"side": side})[0]
+        payload = {} if side is None else {"side": side}
+        if store is not None:
+            payload["stage_in"] = list(store)
+        exported = group.call("export_weights", payload)[0]
         if int(exported["policy_version"]) != int(version):
             raise RuntimeError(f"the train ranks exported weights v{exported['policy_version']} for a publish of v{version}")
-        state, checksum = exported["state"], exported["checksum"]
-        ref = ray.put(wire(state))  # replicas get the dict of tensors back, without torch's slow pickling
+        checksum = exported["checksum"]
+        if store is None:
+            state = exported["state"]
+            nbytes = state_bytes(state)
+            ref = ray.put(wire(state))  # replicas get the dict of tensors back, without torch's slow pickling
+        else:
+            staged = ray.get(ray.get_actor(store[0], namespace=store[1]).get_staged.remote(), timeout=60)
+            if staged is None or staged["version"] != version or staged["checksum"] != checksum:
+                raise StaleWeightsError(f"rank 0 staged {staged and staged['version']} in {store[0]!r} for a "
+                                        f"publish of v{version} (checksum {checksum})")
+            ref, nbytes = staged["ref"][0], exported["bytes"]
         return ref, checksum, {
             "weight_sync/export_seconds": time.perf_counter() - t0,
-            "weight_sync/bytes": float(state_bytes(state)),
+            "weight_sync/bytes": float(nbytes),
             "weight_sync/version": float(version),
+            # on rank 0: gathering the full weights, their checksum, the put into the object store
+            **{f"weight_sync/{k}": float(v) for k, v in exported.get("timings", {}).items()},
         }
+
+
+def _address_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, in place, without ``.numpy()`` (which would make a live
+    parameter's storage unresizable: colocated layouts free it with ``resize_(0)``)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array.keep_alive = tensor  # the view holds the array, the array the tensor: the memory outlives the view
+    return memoryview(array).cast("B")
+
+
+def _tensor_from_buffer(buffer: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``buffer`` (no copy). From the object store it is read-only shared memory that every
+    replica of the node maps: load from it, never write into it."""
+    import warnings
+
+    if not len(memoryview(buffer)):
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+class _BufferTensor:
+    """A CPU tensor that pickles (protocol 5) as one out-of-band buffer read from its memory in place: the
+    object store copies it once from the live weights, and replicas get tensors over the stored bytes."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach().cpu().contiguous()
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, tuple[Any, ...]]:
+        t = self.tensor
+        data = pickle.PickleBuffer(_address_view(t)) if protocol >= 5 else _address_view(t).tobytes()
+        return _tensor_from_buffer, (data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+def stage_weights(state: dict[str, torch.Tensor], version: int, checksum: str, store: tuple[str, str]) -> None:
+    """On train rank 0: put ``state`` in the object store once and stage it in the ``WeightStore`` named
+    ``store`` for the driver to publish. This process owns the object (it lives while the store or an
+    engine holds it, and at most as long as this worker: a restarted worker group publishes again)."""
+    import ray
+
+    actor = ray.get_actor(store[0], namespace=store[1])
+    # one copy, from the weights into the object store (ray.put returns once it is there: a snapshot)
+    ref = ray.put({name: _BufferTensor(t) for name, t in state.items()})
+    ray.get(actor.stage.remote(version, [ref], checksum), timeout=60)

@@ -302,16 +302,29 @@ class StackWorker:
         return complete_sample(sample, cached)  # every score the driver set, the sample's and each Part's
 
     @operation
-    def export_weights(self, side: str | None = None) -> dict[str, Any]:
-        """Collective: the full trainable weights of ``side`` (LoRA adapters only with LoRA) on rank 0."""
-        from unirl_ray.rollout.weight_sync import state_checksum
+    def export_weights(self, side: str | None = None, stage_in: list[str] | None = None) -> dict[str, Any]:
+        """Collective: the full trainable weights of ``side`` (LoRA adapters only with LoRA) on rank 0.
+
+        ``stage_in`` (``[name, namespace]`` of the engine's ``WeightStore``): rank 0 puts them in the object
+        store itself and stages them there, returning only their checksum and size; else it returns them."""
+        from unirl_ray.rollout.weight_sync import stage_weights, state_bytes, state_checksum
 
         chosen = self.side(side)
         chosen.require_trainable("export weights")
-        state = chosen.backend.full_trainable_state_dict()
+        t0 = time.perf_counter()
+        # staged: put in the object store before this command returns, so it need not be a snapshot
+        state = chosen.backend.full_trainable_state_dict(snapshot=stage_in is None)
         if self.topology.rank != 0:
             return {}
-        return {"state": state, "checksum": state_checksum(state), "policy_version": chosen.policy_version}
+        t1 = time.perf_counter()
+        checksum, version = state_checksum(state), chosen.policy_version
+        t2 = time.perf_counter()
+        timings = {"gather_s": t1 - t0, "checksum_s": t2 - t1}
+        if stage_in is None:
+            return {"state": state, "checksum": checksum, "policy_version": version, "timings": timings}
+        stage_weights(state, version, checksum, (stage_in[0], stage_in[1]))
+        timings["put_s"] = time.perf_counter() - t2
+        return {"checksum": checksum, "policy_version": version, "bytes": state_bytes(state), "timings": timings}
 
     @operation
     def export(self, directory: str, merge_lora: bool = True, overwrite: bool = False,

@@ -162,7 +162,7 @@ class AsyncRLTrainer(RLTrainer):
         background while the next step trains. The next publish first waits for this one."""
         waited = self._finish_publish()
         version = self.policy_version
-        ref, checksum, metrics = self.sync.export(self.group, version)
+        ref, checksum, metrics = self.sync.export(self.group, version, store=self.engine.store_id)
 
         def load() -> None:
             t0 = time.perf_counter()

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ class HFRolloutEngine(VersionedEngine):
     def load_weights(self, version: int, state: dict[str, torch.Tensor], checksum: str) -> dict[str, Any]:
         """Load a published version (trainable weights only); refuse a corrupted transfer."""
         self._check_awake()  # an asleep replica has no weights to copy into; it catches up on wake
+        t0 = time.perf_counter()
         got = state_checksum(state)
         if got != checksum:
             raise ValueError(f"weights v{version} arrived corrupted (checksum {got} != {checksum}); not loaded")
@@ -75,10 +77,10 @@ class HFRolloutEngine(VersionedEngine):
             if wrong:  # checked before any copy: a refused version never leaves the engine half-updated
                 raise ValueError(f"weights v{version} have wrong shapes for {wrong[:5]}")
             with torch.no_grad():
-                for name, tensor in state.items():
+                for name, tensor in state.items():  # reads the (shared, read-only) received bytes once
                     names[name].copy_(tensor.to(names[name].device, names[name].dtype))
             self.version, self.checksum = version, checksum
-        return self.status()
+        return {**self.status(), "load_s": time.perf_counter() - t0}
 
     # ----------------------------------------------------------- sleep/wake
     def _release(self) -> int:

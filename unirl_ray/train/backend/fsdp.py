@@ -462,13 +462,15 @@ class FSDPBackend:
         if "rng" in state:
             checkpoint.set_rng_state(state["rng"][checkpoint.rng_key(self._rank)], self.device)
 
-    def full_trainable_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_trainable_state_dict(self, snapshot: bool = True) -> dict[str, torch.Tensor]:
         """Collective: the full (unsharded) trainable weights on rank 0, CPU; ``{}`` elsewhere.
         Inside ``ema_weights()`` these are the EMA weights (same names).
 
         A snapshot: it never shares memory with the live parameters. (Unsharded on the CPU, torch would
         hand out the parameters themselves; a later step would then change the snapshot, and turning
-        it into numpy for the object store would pin the parameters' storage, which ``offload`` must free.)"""
+        it into numpy for the object store would pin the parameters' storage, which ``offload`` must free.)
+        ``snapshot=False`` skips that copy for a caller that reads the tensors before the next step and
+        never through numpy (the weight sync's ``stage_weights``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         self._require_onloaded("full_trainable_state_dict()")
@@ -476,4 +478,5 @@ class FSDPBackend:
         state = get_model_state_dict(self.module, options=options)
         names = self._trainable_names()
         live = {local(t).untyped_storage().data_ptr() for t in self._device_tensors() if t is not None}
-        return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in state.items() if k in names}
+        return {k: v.clone() if snapshot and v.untyped_storage().data_ptr() in live else v
+                for k, v in state.items() if k in names}

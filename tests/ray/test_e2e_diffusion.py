@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import attempts, drive, fit, history, kill_rank, make, recipe_path
+from support import attempts, drive, fit, history, kill_rank, logged, make, recipe_path
 
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
@@ -30,8 +30,9 @@ def reward_history(tracking_uri, run_id, key="reward/mean"):
 
 def test_reward_rises_with_metrics_images_and_checkpoint(ray_local, tmp_path):
     # seen: steps 1-3 average 0.4906 with a spread of 0.0016, steps 6-8 0.5156 (about 15 spreads higher)
+    # synchronous checkpoints here (every save waits for Ray Train's commit); the other runs use the default
     trainer = run(tmp_path, "learn", "trainer.num_steps=8", "trainer.checkpoint_every=4", "tracking.log_samples_every=4",
-                  "ray.scaling.num_workers=1")
+                  "ray.scaling.num_workers=1", "++ray.async_checkpoint=false")
     uri, run_id = trainer.tracker.tracking_uri, trainer.tracker.run_id
     rewards = reward_history(uri, run_id)
     assert len(rewards) == 8
@@ -54,6 +55,8 @@ def test_reward_rises_with_metrics_images_and_checkpoint(ray_local, tmp_path):
     assert max(reward_history(uri, run_id, "rollout/logp_gap")) < 1e-4
     ckpt = tmp_path / "learn" / "checkpoint_000008"
     assert (ckpt / "controller_state.json").exists()
+    waits = logged(trainer, "checkpoint/commit_wait_s")  # each save returned once committed
+    assert sorted(waits) == [4, 8] and all(v > 0 for v in waits.values()), waits
     assert any(p.name == ".metadata" for p in (ckpt / "shards").iterdir())
 
 
@@ -94,6 +97,10 @@ def test_a_restart_resumes_lora_adapters_optimizer_and_data_exactly(ray_local, t
     client = MlflowClient(trainer.tracker.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id], "tags.mlflow.runName = 'resumed'")
     assert len(runs) == 1
+    # asynchronous checkpoints (the default): the saves returned before their commit (Ray Train committed
+    # them in the background: the step-2 one is what the restart loaded), and the run's end waited for the last
+    timing, waits = attempts(trainer, "checkpoint/write_s"), attempts(trainer, "checkpoint/commit_wait_s")
+    assert sorted(timing) == [2, 4] and all(v < 1e-3 for vs in waits.values() for v in vs), waits
     with open(tmp_path / "resumed" / "checkpoint_000004" / "controller_state.json") as f:
         state = json.load(f)
     assert state["step"] == 4 and state["controller"]["data"] == trainer.data.state_dict()

@@ -36,6 +36,11 @@ class RayConfig:
     """Fail fast when the cluster's total resources cannot hold the train workers (disable with an autoscaler)."""
     num_checkpoints_to_keep: int | None = 2
     """Committed checkpoints kept on storage (None: all)."""
+    async_checkpoint: bool = True
+    """Checkpoints do not block training: a save returns once every rank has written its shards to a local
+    folder, and Ray Train uploads it to storage and commits it in the background
+    (``checkpoint_upload_mode=ASYNC``). A restart or a resume only ever loads a committed checkpoint; a
+    run that ends waits for its last one. False: every save waits for its commit."""
     worker_niceness: int | None = 0
     """Scheduling priority of the train worker processes. Ray starts worker processes at niceness 15,
     so on a busy machine every process at the default priority (Serve replicas, other jobs) takes the

@@ -72,6 +72,7 @@ class TrainGroup:
         self._fit_error: BaseException | None = None
         self._fit_result: Any = None
         self._ready = False  # every rank announced (since the last start or restart)
+        self._uncommitted: str | None = None  # the asynchronous checkpoint still uploading, by name
 
     # ---------------------------------------------------------------- start
     def _trainer(self):
@@ -165,16 +166,32 @@ class TrainGroup:
 
     def _unwrap(self, op: str, results: list[Any]) -> list[Any]:
         if any(isinstance(r, dict) and r.get("fenced") for r in results):
+            self._uncommitted = None  # the new workers loaded the last committed checkpoint, whatever it was
             raise WorkerGroupRestarted(f"the worker group restarted during {op!r}")
         errors = [f"rank {i}: {r['error']}\n{r.get('traceback', '')}" for i, r in enumerate(results) if "error" in r]
         if errors:
             raise WorkerError(f"train workers failed on {op!r}:\n" + "\n".join(errors))
         return [unpack(r) for r in results]
 
-    def save(self, step: int, controller_state: dict[str, Any]) -> str:
-        """Collective checkpoint; returns the committed checkpoint path."""
-        results = self.call("save", {"step": step, "controller": controller_state})
-        return results[0]["path"]
+    def save(self, step: int, controller_state: dict[str, Any]) -> dict[str, Any]:
+        """Collective checkpoint; rank 0's report: ``path`` (the committed checkpoint; None while an
+        asynchronous save uploads), ``write_s`` / ``report_s`` / ``commit_wait_s`` (its phases).
+
+        With ``ray.async_checkpoint`` the ranks return once their shards are written; Ray Train uploads
+        and commits the checkpoint in the background (a restart or resume only loads committed ones) and
+        ``wait_committed`` waits for it (``stop`` does, and a finished run does before it ends)."""
+        asynchronous = self.ray_cfg.async_checkpoint
+        result = self.call("save", {"step": step, "controller": controller_state, "asynchronous": asynchronous})[0]
+        self._uncommitted = result["name"] if asynchronous else None
+        return result
+
+    def wait_committed(self, timeout_s: float | None = None) -> str | None:
+        """Block until the last asynchronous checkpoint is committed; its path (None if none is pending)."""
+        name, self._uncommitted = self._uncommitted, None
+        if name is None:
+            return None
+        timeout_s = timeout_s or self.ray_cfg.command_timeout_s
+        return self.call("wait_checkpoint", {"name": name, "timeout_s": timeout_s}, timeout_s=timeout_s + 60)[0]["path"]
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Clean shutdown: ask the workers to return, then let ``fit()`` finish.
@@ -184,6 +201,12 @@ class TrainGroup:
         """
         if self._thread is None or not self._thread.is_alive():
             return
+        if self._ready and self._uncommitted is not None:  # a failing run keeps the steps it checkpointed
+            pending = self._uncommitted
+            try:
+                self.wait_committed()
+            except Exception as exc:  # noqa: BLE001 - the group may be gone; stop anyway
+                log.warning("the checkpoint %s may not have been committed: %s", pending, exc)
         try:
             if self._ready:
                 cmd_id = ray.get(self.broker.submit.remote("stop", [None] * self.world_size), timeout=30)

@@ -4,8 +4,9 @@
 start (first start, resume, or restart after a failure) it restores the latest committed Ray Train
 checkpoint, announces ``{restored_step, controller_state}`` to the broker and then executes
 commands until ``stop``. ``save`` is collective: every rank writes its DCP shards and calls
-``ray.train.report`` (a barrier); the save is acknowledged only once Ray Train lists the
-checkpoint as committed.
+``ray.train.report`` (a barrier); a synchronous save is acknowledged only once Ray Train lists the
+checkpoint as committed, an asynchronous one once the shards are written (``wait_checkpoint`` then
+waits for the commit).
 """
 
 from __future__ import annotations
@@ -83,22 +84,37 @@ def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
 
 
 def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
+    """Write this rank's shards (and, on rank 0, the controller state) to a local folder and report it to
+    Ray Train, which persists it to the run's storage and lists it as committed once every rank's part is
+    there (a restart or a resume only ever loads a committed checkpoint).
+
+    ``payload["asynchronous"]``: return once the local folder is written; the upload and the commit go on
+    in Ray Train's background thread (``checkpoint_upload_mode=ASYNC``; a failed upload fails the worker).
+    ``wait_checkpoint`` waits for the commit. Otherwise wait here until it is committed."""
     step = int(payload["step"])
+    asynchronous = bool(payload.get("asynchronous"))
     tmp = tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
+    t0 = time.perf_counter()
     try:
         meta = worker.save(os.path.join(tmp, SHARDS_DIR))
         if rank == 0:
             state = {"step": step, "backend": meta, "controller": payload["controller"]}
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f)
+        written = time.perf_counter()
         name = f"checkpoint_{step:06d}"
-        ray.train.report(
-            {"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
-        )
-        path = _wait_committed(name, timeout_s) if rank == 0 else None
-        return {"step": step, "path": path}
+        mode = ray.train.CheckpointUploadMode.ASYNC if asynchronous else ray.train.CheckpointUploadMode.SYNC
+        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
+                         checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=asynchronous)
+        if asynchronous:
+            tmp = None  # Ray Train deletes it once uploaded
+        reported = time.perf_counter()
+        path = _wait_committed(name, timeout_s) if rank == 0 and not asynchronous else None
+        return {"step": step, "path": path, "name": name, "write_s": written - t0, "report_s": reported - written,
+                "commit_wait_s": time.perf_counter() - reported}
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _wait_committed(name: str, timeout_s: float) -> str:
@@ -118,6 +134,8 @@ def _dispatch(worker: Any, op: str, payload: Any, rank: int, save_timeout_s: flo
     """The runtime's own commands (a collective checkpoint, a liveness ping), else the rank object's."""
     if op == "save":
         return _save(worker, payload, rank, save_timeout_s)
+    if op == "wait_checkpoint":  # an asynchronous save's commit
+        return {"path": _wait_committed(payload["name"], float(payload.get("timeout_s") or save_timeout_s))}
     if op == "ping":
         return {"policy_version": worker.policy_version, "niceness": os.nice(0), "pid": os.getpid()}
     return dispatch(worker, op, payload)

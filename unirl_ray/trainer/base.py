@@ -200,6 +200,7 @@ class BaseTrainer(ABC):
         status = "FAILED"
         try:
             last = self.run_steps(self.setup())
+            self.group.wait_committed()  # the last checkpoint is on storage before the run counts as finished
             self.export_at_end()
             status = "FINISHED"
             self._mark_finished()
@@ -432,11 +433,16 @@ class BaseTrainer(ABC):
     def controller_state(self) -> dict[str, Any]:
         return {"mlflow_run_id": self.tracker.run_id, "seed": self.run_cfg.seed}
 
-    def save_checkpoint(self, step: int) -> str:
+    def save_checkpoint(self, step: int) -> str | None:
+        """Checkpoint the ranks and the controller at ``step``; the committed path (None while an asynchronous
+        save uploads: ``ray.async_checkpoint``). Logs ``timing/checkpoint`` (what training waited) and the
+        save's phases (``checkpoint/write_s``, ``report_s``, ``commit_wait_s``)."""
         t0 = time.perf_counter()
-        path = self.group.save(step, self.controller_state())
-        self.tracker.log_metrics({"timing/checkpoint": time.perf_counter() - t0}, step=step)
-        return path
+        result = self.group.save(step, self.controller_state())
+        metrics = {"timing/checkpoint": time.perf_counter() - t0}
+        metrics.update({f"checkpoint/{k}": float(result[k]) for k in ("write_s", "report_s", "commit_wait_s") if k in result})
+        self.tracker.log_metrics(metrics, step=step)
+        return result.get("path")
 
     # ----------------------------------------------------------------- export
     def export_at_end(self) -> None:

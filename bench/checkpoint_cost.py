@@ -1,21 +1,22 @@
-"""What a checkpoint every step costs the training: the tiny AR recipe with ``checkpoint_every=1`` against none.
+"""What checkpoints cost the training: the tiny AR recipe with ``checkpoint_every=N`` (``--every``) against none.
 
 A benchmark, not a test: it asserts nothing about speed. Three real AR trainers (``char_grpo_direct.yaml``,
 one Ray Train worker each, on one local Ray) run in interleaved blocks, so a change in the machine's load
 hits every side alike:
 
   none    no checkpoint in the measured steps;
-  async   a checkpoint after every step, ``ray.async_checkpoint=true`` (the default): the save returns once
-          the rank has written its shards locally; Ray Train uploads and commits it in the background;
-  sync    a checkpoint after every step, ``ray.async_checkpoint=false``: every save waits for its commit.
+  async   a checkpoint every ``--every`` steps, ``ray.async_checkpoint=true`` (the default): the save returns
+          once the rank has written its shards locally (and the previous checkpoint is committed); Ray
+          Train uploads and commits it in the background;
+  sync    a checkpoint every ``--every`` steps, ``ray.async_checkpoint=false``: every save waits for its commit.
 
 Per side: the median wall seconds per step (the step, its MLflow logging and its checkpoint, as ``fit``
 runs them), its ratio to ``none``, and the medians of the save's phases (``write``: the DCP shards and the
 controller state to a local folder; ``report``: Ray Train's report; ``commit``: waiting for Ray Train to list
 it as committed, sync only).
 
-    python bench/checkpoint_cost.py                       # 3 blocks of 5 steps per side, after 2 warm-up steps
-    python bench/checkpoint_cost.py --blocks 5 --block-steps 6 --json-out /tmp/ckpt.json
+    python bench/checkpoint_cost.py                       # every step; 3 blocks of 5 steps per side, after 2 warm-up
+    python bench/checkpoint_cost.py --every 10 --block-steps 10 --json-out /tmp/ckpt.json
 
 See bench/README.md for the figures and what they say.
 """
@@ -35,13 +36,13 @@ RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "ar" / "tiny" 
 SIDES = {"none": None, "async": True, "sync": False}
 
 
-def runner(side: str, steps: int, storage: str) -> DrivenTrainer:
+def runner(side: str, steps: int, storage: str, every: int) -> DrivenTrainer:
     from unirl_ray.config.recipe import load_recipe
     from unirl_ray.trainer.ar import ARTrainer
 
     asynchronous = SIDES[side]
     overrides = [f"trainer.storage_path={storage}", f"trainer.run_name=ckpt-{side}", f"trainer.num_steps={steps}",
-                 f"trainer.checkpoint_every={1 if asynchronous is not None else 100_000}",
+                 f"trainer.checkpoint_every={every if asynchronous is not None else 100_000}",
                  "tracking.log_samples_every=0", "tracking.experiment_name=bench-checkpoint",
                  "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2"]
     if asynchronous is not None:
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--block-steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--every", type=int, default=1, help="trainer.checkpoint_every of the async and sync sides")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     offline_env()
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as storage:
         try:
             for side in SIDES:
-                runners[side] = runner(side, steps, storage)
+                runners[side] = runner(side, steps, storage, args.every)
                 runners[side].setup()
             plan = Interleave(SIDES)
             for side, run in runners.items():
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for side, run in runners.items():
                 per_step = median(plan.walls[side])
-                ckpt = median([run.steps[s]["checkpoint_s"] for s in measured])
+                ckpt = median([run.steps[s]["checkpoint_s"] for s in measured if run.steps[s]["checkpoint_s"] == run.steps[s]["checkpoint_s"]])
                 phases = save_phases(run.trainer, measured) if SIDES[side] is not None else {}
                 result["sides"][side] = {"wall_per_step_s": per_step, "block_walls": plan.walls[side],
                                          "ratio_to_none": per_step / base, "checkpoint_s": ckpt, **phases}

@@ -133,7 +133,11 @@ def record_training(trainer: Any) -> list[tuple[int, int, list[tuple[str, int]]]
 
 # ------------------------------------------------------------------ faults
 def kill_rank(trainer: Any, rank: int) -> int:
-    """SIGKILL one train worker process (as a crash would); returns its pid."""
+    """SIGKILL one train worker process (as a crash would); returns its pid.
+
+    A checkpoint still uploading (asynchronous saves, the default) is committed first: the restart then
+    loads the checkpoint the test expects, however fast the steps after the save were."""
+    trainer.group.wait_committed()
     pid = trainer.group.call("ping", {})[rank]["pid"]
     os.kill(pid, signal.SIGKILL)
     return pid

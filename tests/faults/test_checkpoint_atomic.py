@@ -42,6 +42,7 @@ def test_interrupted_save_and_half_written_folder_are_never_picked(ray_local, tm
 
     def save_checkpoint(step):
         if step == 4:  # kill the worker while it writes / persists the step-4 checkpoint
+            # (the step-4 save first waits for the step-2 commit: at most one asynchronous save in flight)
             pid = first.group.call("ping", {})[0]["pid"]
             threading.Thread(target=kill_when_folder_appears, args=(str(run_dir / "checkpoint_000004"), pid, done),
                              daemon=True).start()

@@ -39,8 +39,10 @@ class RayConfig:
     async_checkpoint: bool = True
     """Checkpoints do not block training: a save returns once every rank has written its shards to a local
     folder, and Ray Train uploads it to storage and commits it in the background
-    (``checkpoint_upload_mode=ASYNC``). A restart or a resume only ever loads a committed checkpoint; a
-    run that ends waits for its last one. False: every save waits for its commit."""
+    (``checkpoint_upload_mode=ASYNC``). A restart or a resume only ever loads a committed checkpoint; the
+    next save first waits for the previous one's commit (one in flight at most: a crash loses at most the
+    steps since the checkpoint before the latest), and a run that ends waits for its last one. False:
+    every save waits for its commit."""
     worker_niceness: int | None = 0
     """Scheduling priority of the train worker processes. Ray starts worker processes at niceness 15,
     so on a busy machine every process at the default priority (Serve replicas, other jobs) takes the

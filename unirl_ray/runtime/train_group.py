@@ -179,9 +179,12 @@ class TrainGroup:
 
         With ``ray.async_checkpoint`` the ranks return once their shards are written; Ray Train uploads
         and commits the checkpoint in the background (a restart or resume only loads committed ones) and
-        ``wait_committed`` waits for it (``stop`` does, and a finished run does before it ends)."""
+        ``wait_committed`` waits for it (``stop`` does, a finished run does before it ends, and the next
+        save does first: at most one checkpoint is uncommitted at any time)."""
         asynchronous = self.ray_cfg.async_checkpoint
-        result = self.call("save", {"step": step, "controller": controller_state, "asynchronous": asynchronous})[0]
+        payload = {"step": step, "controller": controller_state, "asynchronous": asynchronous,
+                   "previous": self._uncommitted}  # committed before this one is written: one in flight at most
+        result = self.call("save", payload)[0]
         self._uncommitted = result["name"] if asynchronous else None
         return result
 

@@ -90,9 +90,14 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
 
     ``payload["asynchronous"]``: return once the local folder is written; the upload and the commit go on
     in Ray Train's background thread (``checkpoint_upload_mode=ASYNC``; a failed upload fails the worker).
-    ``wait_checkpoint`` waits for the commit. Otherwise wait here until it is committed."""
+    ``wait_checkpoint`` waits for the commit, and so does the next save first (``payload["previous"]``): at
+    most one checkpoint is ever uncommitted. Otherwise wait here until it is committed."""
     step = int(payload["step"])
     asynchronous = bool(payload.get("asynchronous"))
+    t0 = time.perf_counter()
+    if payload.get("previous") and rank == 0:  # one asynchronous checkpoint in flight at most
+        _wait_committed(payload["previous"], timeout_s)
+    previous_wait = time.perf_counter() - t0
     tmp = tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
     t0 = time.perf_counter()
     try:
@@ -111,7 +116,7 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
         reported = time.perf_counter()
         path = _wait_committed(name, timeout_s) if rank == 0 and not asynchronous else None
         return {"step": step, "path": path, "name": name, "write_s": written - t0, "report_s": reported - written,
-                "commit_wait_s": time.perf_counter() - reported}
+                "commit_wait_s": time.perf_counter() - reported + previous_wait}
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

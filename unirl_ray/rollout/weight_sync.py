@@ -28,10 +28,8 @@ _hash_pool: Any = None
 
 
 def _chunk_digests(tensor: torch.Tensor) -> list[bytes]:
-    """SHA-256 of each ``_CHUNK_BYTES`` slice of the tensor's bytes, read in place (no copy of a CPU
-    contiguous tensor; hashlib releases the GIL, so slices hash in parallel).
-
-    The bytes are read through their address (``_address_view``)."""
+    """SHA-256 of each ``_CHUNK_BYTES`` slice of the tensor's bytes, read in place through their address
+    (``_address_view``; no copy of a contiguous CPU tensor)."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     nbytes = flat.numel() * flat.element_size()
     if not nbytes:
@@ -47,8 +45,9 @@ def _chunk_digests(tensor: torch.Tensor) -> list[bytes]:
 def state_checksum(state: dict[str, torch.Tensor]) -> str:
     """Content hash of a state dict (names, dtypes, shapes and bytes), order-independent.
 
-    The bytes are hashed with SHA-256 in slices of 32 MiB on a small thread pool (several GB/s on a few
-    cores: a sync of a large model checks every byte on the train rank and on every replica)."""
+    The bytes are hashed with SHA-256 in slices of 32 MiB, the tensors spread over a small thread pool
+    (hashlib releases the GIL: several GB/s on a few cores; a sync of a large model checks every byte on
+    the train rank and on every replica)."""
     global _hash_pool
     if _hash_pool is None:
         from concurrent.futures import ThreadPoolExecutor

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for side, run in runners.items():
                 per_step = median(plan.walls[side])
-                ckpt = median([run.steps[s]["checkpoint_s"] for s in measured if run.steps[s]["checkpoint_s"] == run.steps[s]["checkpoint_s"]])
+                ckpt = median([run.steps[s]["checkpoint_s"] for s in measured])  # NaN (no save) is dropped
                 phases = save_phases(run.trainer, measured) if SIDES[side] is not None else {}
                 result["sides"][side] = {"wall_per_step_s": per_step, "block_walls": plan.walls[side],
                                          "ratio_to_none": per_step / base, "checkpoint_s": ckpt, **phases}

@@ -96,8 +96,7 @@ def yardsticks(nbytes: int, repeats: int, readers: int) -> dict[str, float]:
             return int(sum(a.nbytes for a in arrays.values()))
 
         def read_all(self, arrays: dict) -> int:  # every byte copied once into resident memory, as a load
-            if getattr(self, "dst", None) is None or {k: a.shape for k, a in self.dst.items()} != {
-                    k: a.shape for k, a in arrays.items()}:
+            if not hasattr(self, "dst"):  # one reader per case: the same arrays every call
                 self.dst = {k: np.ones_like(a) for k, a in arrays.items()}  # the engine's weights: mapped
             for k, a in arrays.items():
                 np.copyto(self.dst[k], a)

@@ -85,7 +85,7 @@ def _weight_store_cls():
             self.staged: dict[str, Any] | None = None
 
         def stage(self, version: int, ref_box: list, checksum: str) -> None:
-            """Rank 0 exported ``version`` (its object, owned here); the driver publishes it next."""
+            """Rank 0 exported ``version`` (the reference keeps its object alive); the driver publishes it next."""
             self.staged = {"version": version, "ref": ref_box, "checksum": checksum}
 
         def get_staged(self) -> dict[str, Any] | None:
@@ -125,8 +125,8 @@ class TensorWeightSync:
         """Export from the train ranks (side ``side`` where the ranks hold several) into the engine's store,
         publish, load on every replica, verify."""
         t0 = time.perf_counter()
-        ref, checksum, metrics = self.export(group, version, side, store=getattr(engine, "store_id", None))
-        metrics.update(engine.publish(version, ref, checksum, timeout_s=self.timeout_s) or {})
+        ref, checksum, metrics = self.export(group, version, side, store=engine.store_id)
+        metrics.update(engine.publish(version, ref, checksum, timeout_s=self.timeout_s))
         return {**metrics, "weight_sync/seconds": time.perf_counter() - t0}
 
     def export(self, group: Any, version: int, side: str | None = None, *,

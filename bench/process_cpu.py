@@ -1,0 +1,137 @@
+"""Where a command's CPU goes, by process kind: the driver, Ray Train's controller and workers, Serve
+replicas, this project's actors, Ray's own daemons.
+
+A benchmark, not a test. It runs the command as a child process and reads ``/proc/<pid>/stat`` of every
+process on the machine every ``--interval`` seconds until the command ends; a process is named by the
+title Ray gives it (``ray::TrainController``, ``ray::RayTrainWorker``, ``ray::SERVE_REPLICA::...``; the most
+specific one it had, not ``ray::IDLE``) or by its program. CPU is user + system time used while the
+command ran (processes that were already running count only what they used meanwhile). What a process
+used between the last sample and its exit is missed, so the totals are a lower bound by up to one
+interval per process.
+
+    python bench/process_cpu.py -- .venv/bin/python -m pytest -q -p no:cacheprovider tests/ray/test_e2e_ar.py
+    python bench/process_cpu.py --json-out /tmp/cpu.json -- .venv/bin/python recipes/ar.py trainer.num_steps=2
+
+It answers the questions the CI budget and the cold start raise: is a run CPU-bound (utilisation of
+the cores near 1) or waiting, and how many CPU-seconds each Ray Train run, Serve app and actor costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Proc:
+    start_ticks: int  # CPU ticks it had used when first seen (0 for a process started meanwhile)
+    ticks: int = 0
+    title: str = ""
+    titles: list[str] = field(default_factory=list)
+
+
+def _read(pid: str) -> tuple[int, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12]), cmdline  # utime + stime
+
+
+def kind(cmdline: str) -> str:
+    """A process's kind from its title: Ray's actor / task name without run names, ids and methods."""
+    if cmdline.startswith("ray::"):
+        name = cmdline.split()[0][len("ray::"):]
+        if name.startswith("SERVE_REPLICA::"):  # SERVE_REPLICA::<app>#<Deployment>#<id>
+            parts = name[len("SERVE_REPLICA::"):].split("#")
+            return f"ray::ServeReplica:{parts[1] if len(parts) > 1 else parts[0]}"
+        name = name.rsplit(":", 1)[-1]  # <named actor>:<Class>.<method> -> <Class>.<method>
+        name = re.split(r"[.(]", name, maxsplit=1)[0]  # drop the method or the task's arguments
+        return f"ray::{name}"
+    words = cmdline.split()
+    if not words:
+        return "?"
+    program = os.path.basename(words[0])
+    if program.startswith("python") and len(words) > 1:
+        script = next((w for w in words[1:] if not w.startswith("-")), words[1])
+        if words[1] == "-m" and len(words) > 2:
+            script = words[2]
+        return f"python {os.path.basename(script)}"
+    return program
+
+
+def sample(procs: dict[str, Proc], baseline: bool) -> None:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        read = _read(pid)
+        if read is None:
+            continue
+        ticks, cmdline = read
+        proc = procs.get(pid)
+        if proc is None:
+            proc = procs[pid] = Proc(start_ticks=ticks if baseline else 0)
+        proc.ticks = ticks
+        if cmdline and cmdline not in proc.titles:
+            proc.titles.append(cmdline)
+            if not proc.title or not cmdline.startswith("ray::IDLE"):
+                proc.title = cmdline
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples (default 0.2)")
+    parser.add_argument("--top", type=int, default=25, help="kinds shown (default 25)")
+    parser.add_argument("--json-out", help="write the table as JSON here too")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --")
+
+    procs: dict[str, Proc] = {}
+    sample(procs, baseline=True)
+    me = str(os.getpid())
+    start = time.monotonic()
+    child = subprocess.Popen(command)
+    while child.poll() is None:
+        time.sleep(args.interval)
+        sample(procs, baseline=False)
+    wall = time.monotonic() - start
+    sample(procs, baseline=False)
+
+    table: dict[str, list[float]] = {}
+    for pid, proc in procs.items():
+        used = (proc.ticks - proc.start_ticks) / TICK
+        if pid == me or used <= 0:
+            continue
+        row = table.setdefault(kind(proc.title), [0.0, 0])
+        row[0] += used
+        row[1] += 1
+    total = sum(cpu for cpu, _ in table.values())
+    cores = os.cpu_count() or 1
+    print(f"\n{'CPU-s':>8} {'share':>6} {'procs':>5}  kind")
+    for name, (cpu, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"{cpu:8.1f} {cpu / total:6.1%} {n:5d}  {name}")
+    print(f"total {total:.1f} CPU-s in {wall:.1f} s wall on {cores} cores: utilisation {total / (wall * cores):.0%} "
+          f"(command exit {child.returncode})")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"command": command, "wall_s": wall, "cores": cores, "cpu_s": total, "exit": child.returncode,
+                       "kinds": {k: {"cpu_s": c, "processes": n} for k, (c, n) in table.items()}}, f, indent=1)
+    return child.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,13 +19,15 @@ the cores near 1) or waiting, and how many CPU-seconds each Ray Train run, Serve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import emit_json, fmt_num, loadavg_1min, print_table  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -34,8 +36,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 class Proc:
     start_ticks: int  # CPU ticks it had used when first seen (0 for a process started meanwhile)
     ticks: int = 0
-    title: str = ""
-    titles: list[str] = field(default_factory=list)
+    title: str = ""  # the most specific title seen: an actor's name rather than the ray::IDLE before or after it
 
 
 def _read(pid: str) -> tuple[int, str] | None:
@@ -65,8 +66,8 @@ def kind(cmdline: str) -> str:
     program = os.path.basename(words[0])
     if program.startswith("python") and len(words) > 1:
         script = next((w for w in words[1:] if not w.startswith("-")), words[1])
-        if words[1] == "-m" and len(words) > 2:
-            script = words[2]
+        if words[1] in ("-m", "-c"):
+            script = words[2] if words[1] == "-m" and len(words) > 2 else "-c"
         return f"python {os.path.basename(script)}"
     return program
 
@@ -83,23 +84,22 @@ def sample(procs: dict[str, Proc], baseline: bool) -> None:
         if proc is None:
             proc = procs[pid] = Proc(start_ticks=ticks if baseline else 0)
         proc.ticks = ticks
-        if cmdline and cmdline not in proc.titles:
-            proc.titles.append(cmdline)
-            if not proc.title or not cmdline.startswith("ray::IDLE"):
-                proc.title = cmdline
+        if cmdline and (not proc.title or not cmdline.startswith("ray::IDLE")):
+            proc.title = cmdline
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples (default 0.2)")
     parser.add_argument("--top", type=int, default=25, help="kinds shown (default 25)")
-    parser.add_argument("--json-out", help="write the table as JSON here too")
+    parser.add_argument("--json-out", help="write the JSON result line here too")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command after --")
 
+    load_start = loadavg_1min()
     procs: dict[str, Proc] = {}
     sample(procs, baseline=True)
     me = str(os.getpid())
@@ -121,15 +121,15 @@ def main() -> int:
         row[1] += 1
     total = sum(cpu for cpu, _ in table.values())
     cores = os.cpu_count() or 1
-    print(f"\n{'CPU-s':>8} {'share':>6} {'procs':>5}  kind")
-    for name, (cpu, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[: args.top]:
-        print(f"{cpu:8.1f} {cpu / total:6.1%} {n:5d}  {name}")
-    print(f"total {total:.1f} CPU-s in {wall:.1f} s wall on {cores} cores: utilisation {total / (wall * cores):.0%} "
-          f"(command exit {child.returncode})")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"command": command, "wall_s": wall, "cores": cores, "cpu_s": total, "exit": child.returncode,
-                       "kinds": {k: {"cpu_s": c, "processes": n} for k, (c, n) in table.items()}}, f, indent=1)
+    ranked = sorted(table.items(), key=lambda kv: -kv[1][0])
+    print()
+    print_table(["kind", "CPU-s", "share", "procs"],
+                [[name, fmt_num(cpu, 8, 1), fmt_num(100 * cpu / total, 6, 1, unit="%"), str(n)]
+                 for name, (cpu, n) in ranked[: args.top]], [40, 8, 7, 5])
+    print(f"total {total:.1f} CPU-s in {wall:.1f} s wall on {cores} cores: utilisation {total / (wall * cores):.0%}; "
+          f"1-min load {load_start:.1f} at start, {loadavg_1min():.1f} at end (command exit {child.returncode})")
+    emit_json({"command": command, "wall_s": wall, "cores": cores, "cpu_s": total, "exit": child.returncode,
+               "kinds": {k: {"cpu_s": c, "processes": n} for k, (c, n) in ranked}}, args.json_out)
     return child.returncode
 
 

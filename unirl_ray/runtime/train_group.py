@@ -77,8 +77,8 @@ class TrainGroup:
     # ---------------------------------------------------------------- start
     def _trainer(self):
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig
 
+        from unirl_ray.runtime.process_group import ProcessGroupConfig
         from unirl_ray.runtime.worker import worker_main
 
         cfg = self.ray_cfg
@@ -89,7 +89,8 @@ class TrainGroup:
             train_loop_config=self.loop_config,
             datasets=self.datasets,
             dataset_config=self._dataset_config(),
-            torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo", timeout_s=cfg.collective_timeout_s),
+            # TorchConfig's work without its module, which imports torch into the controller on every start
+            torch_config=ProcessGroupConfig(backend="nccl" if cfg.use_gpu else "gloo", timeout_s=cfg.collective_timeout_s),
             scaling_config=ScalingConfig(**scaling),
             run_config=RunConfig(
                 name=self.run_name,

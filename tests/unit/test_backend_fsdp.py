@@ -126,3 +126,41 @@ def test_ema_switches_on_dtensor_shards_match_the_unsharded_run():
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(7))
     with torch.no_grad(), ref.ema_weights() as module:
         torch.testing.assert_close(ranks[0]["ema_out"], module(x))
+
+
+def _sampling_rank():
+    """Forwards inside ``sampling()`` after each of two optimizer steps: without FSDP2's hooks (gathered
+    once), on the weights of that step; with gradients on, the hooked path; every hook back after."""
+    backend = make_backend()
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(7))
+    sharded = [m for m in backend.module.modules() if hasattr(m, "unshard")]
+    hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in sharded]
+    out = {"outputs": [], "fast": [], "plain_params_inside": []}
+    for step in range(2):
+        train(backend, 1, start=step)
+        with torch.no_grad(), backend.sampling() as module:
+            inside = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in sharded]  # FSDP2's pair set aside,
+            out["fast"].append(inside == [(a - 1, b - 1) for a, b in hooks_before])  # the backend's own guard kept
+            out["plain_params_inside"].append(all(type(p) is torch.nn.Parameter for p in module.parameters()))
+            out["outputs"].append(module(x).detach().clone())
+        out[f"params_{step}"] = full_params(backend)
+    with backend.sampling() as module:  # gradients on: FSDP2's hooks stay (a backward must reach the shards)
+        out["hooked_with_grad"] = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in sharded] == hooks_before
+    out["hooks_after"] = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in sharded] == hooks_before
+    out["sharded_after"] = all(type(p).__name__ == "DTensor" for p in backend.module.parameters())
+    return out
+
+
+def test_sampling_runs_plain_forwards_on_the_current_weights_and_restores_the_hooks():
+    """The gathered, hook-free forwards of ``sampling()`` give exactly what the unsharded module with the
+    same weights gives, after every optimizer step (never a stale gather), on both ranks."""
+    for r in run_ranks(_sampling_rank):
+        assert r["fast"] == [True, True] and r["plain_params_inside"] == [True, True]
+        assert r["hooked_with_grad"] and r["hooks_after"] and r["sharded_after"]
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(7))
+        for step in range(2):
+            reference = make_backend().module  # unsharded (no process group here), loaded with that step's weights
+            reference.load_state_dict(r[f"params_{step}"])
+            with torch.no_grad():
+                torch.testing.assert_close(r["outputs"][step], reference(x), rtol=1e-6, atol=1e-6)
+        assert not torch.equal(r["outputs"][0], r["outputs"][1])  # the second step's weights were used

@@ -37,6 +37,7 @@ from unirl_ray.train.backend.wrap import (
     apply_fsdp,
     build_mesh,
     fsdp_modules,
+    gathered_forwards,
     reshard_all,
 )
 from unirl_ray.train.configs import (
@@ -241,7 +242,8 @@ class FSDPBackend:
         """Keep gathered parameters across the many no-grad forwards of sampling, then reshard.
 
         Decoding calls the model once per token; resharding after each call would all-gather the
-        weights again every time. Every sharded module is resharded on exit (the root's reshard
+        weights again every time. No-grad forwards inside also skip FSDP2's per-call hooks
+        (``wrap.gathered_forwards``). Every sharded module is resharded on exit (the root's reshard
         does not reach its blocks).
         """
         self._require_onloaded("sampling()")
@@ -249,7 +251,8 @@ class FSDPBackend:
         for m in sharded:
             m.set_reshard_after_forward(False)
         try:
-            yield self.module
+            with gathered_forwards(self.module):
+                yield self.module
         finally:
             for m in sharded:
                 m.set_reshard_after_forward(self.fsdp_cfg.reshard_after_forward)

@@ -3,6 +3,8 @@ every block, then on the root (which takes the leftover parameters: embeddings, 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -79,3 +81,55 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@contextlib.contextmanager
+def gathered_forwards(module: nn.Module) -> Iterator[bool]:
+    """No-grad forwards of ``module`` without FSDP2's per-call hooks: every sharded module is gathered
+    once on entry (``unshard``: a collective, the same on every rank) and its forward pre- and post-hooks
+    are set aside until exit, so each call runs the plain module on the gathered weights. Yields whether
+    it did; the caller reshards on exit.
+
+    Decoding calls the model once per token, and on a small model FSDP2's hooks (input casting, state
+    bookkeeping, the unsharded-state checks of every sharded module) cost more than the forward itself
+    (the tiny demo LM on CPU: 38 ms instead of 27 ms per 16 samples). They do nothing a no-grad forward on
+    gathered weights needs when nothing is cast: the gathered parameters are the module's own while
+    gathered, and inputs are placed by the pipeline (as for a rollout-only side's plain module). Falls
+    back to the hooked forwards (yields False) with gradients enabled (a backward through gathered
+    weights would bypass the sharded parameters), when the mixed-precision policy casts (a param_dtype
+    other than float32 parameters in float32, an output_dtype), or for modules sharded as a group."""
+    from torch.utils.hooks import RemovableHandle
+
+    sharded = fsdp_modules(module)
+    hooks: list[tuple[nn.Module, tuple[int, ...]]] = []
+    for m in sharded:
+        state = m._get_fsdp_state()
+        pre, post = getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)
+        policy = getattr(state, "_mp_policy", None)
+        # FSDP2 casts inputs (and parameters) to param_dtype: skipped only where that changes nothing
+        casts = policy is None or policy.output_dtype is not None or (policy.param_dtype is not None and (
+            policy.param_dtype != torch.float32 or any(p.dtype != torch.float32 for p in m.parameters())))
+        if casts or not (isinstance(pre, RemovableHandle) and isinstance(post, RemovableHandle)):
+            hooks = []
+            break
+        hooks.append((m, (pre.id, post.id)))
+    if not hooks or torch.is_grad_enabled():
+        yield False
+        return
+    for m in sharded:
+        m.unshard()
+    saved: list[tuple[dict, list[tuple[int, Any]]]] = []
+    try:
+        for m, ids in hooks:
+            for table in (m._forward_pre_hooks, m._forward_hooks):
+                saved.append((table, list(table.items())))
+                for hook_id in ids:
+                    table.pop(hook_id, None)
+        yield True
+    finally:
+        for table, items in saved:  # the original order (FSDP's pre-hook runs first), then any added meanwhile
+            known = {key for key, _ in items}
+            added = [(key, hook) for key, hook in table.items() if key not in known]
+            table.clear()
+            table.update(items)
+            table.update(added)

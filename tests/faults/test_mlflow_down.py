@@ -90,7 +90,8 @@ class _Outage:
 
 def test_server_that_goes_away_and_comes_back_gets_the_buffered_metrics(sqlite_root, monkeypatch, caplog):
     outage = _Outage(monkeypatch)
-    tracker = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=0.2))
+    # the outage is switched on and off between calls: each write must happen at its call, not in the background
+    tracker = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=0.2, background_metrics=False))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         run_id = tracker.start(str(sqlite_root), "flaky")
         tracker.log_params({"lr": 0.1})
@@ -122,7 +123,7 @@ def test_server_that_goes_away_and_comes_back_gets_the_buffered_metrics(sqlite_r
 
 def test_end_makes_a_last_attempt_and_retry_zero_stays_local(sqlite_root, monkeypatch):
     outage = _Outage(monkeypatch)
-    tracker = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=3600))
+    tracker = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=3600, background_metrics=False))
     run_id = tracker.start(str(sqlite_root), "last")
     outage.down = True
     tracker.log_metrics({"x": 1.0}, step=1)
@@ -132,7 +133,7 @@ def test_end_makes_a_last_attempt_and_retry_zero_stays_local(sqlite_root, monkey
     assert [m.step for m in client.get_metric_history(run_id, "x")] == [1]
     assert client.get_run(run_id).info.status == "FINISHED"
 
-    never = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=0))
+    never = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=0, background_metrics=False))
     never.start(str(sqlite_root), "never")
     outage.down = True
     never.log_metrics({"x": 1.0}, step=1)

@@ -199,3 +199,37 @@ def test_a_new_sqlite_store_is_a_copy_of_the_migrated_empty_one(tmp_path, monkey
     assert not seed_sqlite_store("http://127.0.0.1:5000") and not seed_sqlite_store("postgresql://h/db")
     assert not seed_sqlite_store(f"sqlite:///{tmp_path / 'no' / 'folder.db'}")  # MLflow reports that one
     assert not list(tmp_path.glob(".*.db.*"))  # no partial copies left behind
+
+
+def test_metrics_are_written_in_the_background_in_order_and_flushed_by_end(store) -> None:
+    """A step does not wait for the store: ``log_metrics`` returns while the write is held up, the writes
+    land in order, ``flush`` and ``end`` wait for them; ``background_metrics=False`` writes at once."""
+    import threading
+
+    root, client = store
+    tracker = MLflowTracker(TrackingConfig(experiment_name="background"))
+    run_id = tracker.start(str(root), "bg")
+    gate, original = threading.Event(), tracker._client.log_batch
+
+    def held(*args, **kwargs):
+        assert gate.wait(30)
+        return original(*args, **kwargs)
+
+    tracker._client.log_batch = held
+    for step in range(5):
+        tracker.log_metrics({"reward/mean": float(step)}, step=step)  # returns with the store held up
+    assert client.get_metric_history(run_id, "reward/mean") == []
+    assert not tracker.flush(timeout_s=0.2)  # still held: a bounded wait, and it says so
+    gate.set()
+    assert tracker.flush()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [(s, float(s)) for s in range(5)]
+    tracker.log_metrics({"reward/mean": 5.0}, step=5)
+    tracker.end()  # waits for the queued write, then ends the run; its writer thread is gone
+    assert [m.step for m in client.get_metric_history(run_id, "reward/mean")] == list(range(6))
+    assert client.get_run(run_id).info.status == "FINISHED" and tracker._writer is None
+
+    direct = MLflowTracker(TrackingConfig(experiment_name="background", background_metrics=False))
+    direct_id = direct.start(str(root), "direct")
+    direct.log_metrics({"reward/mean": 1.0}, step=1)
+    assert [m.value for m in client.get_metric_history(direct_id, "reward/mean")] == [1.0] and direct._writer is None
+    direct.end()

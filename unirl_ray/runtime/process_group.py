@@ -30,10 +30,12 @@ SHUTDOWN_TIMEOUT_S = 30.0
 
 @dataclass
 class ProcessGroupConfig(BackendConfig):
-    """``backend``: ``gloo`` (CPU) or ``nccl`` (CUDA); ``timeout_s``: the collective timeout."""
+    """The process group of a train run's workers (built by ``TrainGroup`` from the ``ray:`` block)."""
 
     backend: str = "gloo"
+    """``gloo`` (CPU) or ``nccl`` (CUDA)."""
     timeout_s: int = 1800
+    """Collective timeout: a lost rank fails the step after this instead of hanging (``ray.collective_timeout_s``)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

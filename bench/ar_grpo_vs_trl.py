@@ -122,6 +122,7 @@ class Task:
         self.weight_decay = float(opt.get("weight_decay", 0.0))
         self.betas = tuple(float(b) for b in opt.get("betas", (0.9, 0.999)))
         self.eps = float(opt.get("eps", 1e-8))
+        self.fused = bool(opt.get("fused", True))  # the trainer's AdamW kernel (OptimizerConfig.fused)
         self.max_new_tokens = int(recipe.pipeline.max_new_tokens)
         self.temperature = float(recipe.pipeline.get("temperature", 1.0))
         self.rewards: list[tuple[str, Callable[..., list[float]], float, dict[str, Any]]] = []
@@ -223,7 +224,8 @@ class BareLoop:
         params = list(self.model.parameters())
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": task.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=task.lr, betas=task.betas, eps=task.eps)
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=task.lr, betas=task.betas, eps=task.eps,
+                                           fused=task.fused)
         self.done = 0
         self.steps: dict[int, dict[str, float]] = {}
 
@@ -371,7 +373,7 @@ class TRLSide:
             adam_beta1=task.betas[0],
             adam_beta2=task.betas[1],
             adam_epsilon=task.eps,
-            optim="adamw_torch",
+            optim="adamw_torch_fused" if task.fused else "adamw_torch",
             max_grad_norm=float(task.max_grad_norm) if task.max_grad_norm is not None else 0.0,
             beta=0.0,
             epsilon=task.clip_low,

@@ -109,6 +109,7 @@ class BareLoop:
             weight_decay=float(opt.get("weight_decay", 0.0)),
             betas=tuple(float(b) for b in opt.get("betas", (0.9, 0.999))),
             eps=float(opt.get("eps", 1e-8)),
+            fused=bool(opt.get("fused", True)),  # the trainer's AdamW kernel (OptimizerConfig.fused)
         )
         self.step_index = 0
 

@@ -120,7 +120,8 @@ class BareSide:
         rest = [p for p in model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": float(opt.get("weight_decay", 0.0))}, {"params": rest, "weight_decay": 0.0}],
-            lr=float(opt.learning_rate), betas=tuple(opt.get("betas", (0.9, 0.999))), eps=float(opt.get("eps", 1e-8)))
+            lr=float(opt.learning_rate), betas=tuple(opt.get("betas", (0.9, 0.999))), eps=float(opt.get("eps", 1e-8)),
+            fused=bool(opt.get("fused", True)))
         self.generator = torch.Generator().manual_seed(0)
         self.order: list[int] = []
         self.steps: list[dict[str, float]] = []
@@ -234,7 +235,8 @@ class TRLSide:
             seed=int(recipe.trainer.seed), max_steps=total_steps + 1, per_device_train_batch_size=batch,
             gradient_accumulation_steps=1, max_length=int(recipe.data.max_length), packing=False,
             learning_rate=float(opt.learning_rate), lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=float(opt.get("weight_decay", 0.0)), optim="adamw_torch",
+            weight_decay=float(opt.get("weight_decay", 0.0)),
+            optim="adamw_torch_fused" if opt.get("fused", True) else "adamw_torch",
             max_grad_norm=float(recipe.stack.max_grad_norm or 0.0), logging_steps=1, save_strategy="no",
             report_to="none", disable_tqdm=True, dataloader_num_workers=0, dataset_num_proc=None,
         )

@@ -248,7 +248,7 @@ class BareLoop:
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=float(opt.learning_rate),
                                            betas=tuple(float(b) for b in opt.get("betas", (0.9, 0.999))),
-                                           eps=float(opt.get("eps", 1e-8)))
+                                           eps=float(opt.get("eps", 1e-8)), fused=bool(opt.get("fused", True)))
         self.parts = [s.parts[0] for s in samples]
         self.adv = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)
 

@@ -231,6 +231,10 @@ class OptimizerConfig:
     """Adam betas."""
     eps: float = 1e-8
     """Adam epsilon."""
+    fused: bool = True
+    """torch's fused AdamW kernel (CPU and CUDA): one kernel for all parameters instead of a chain of
+    per-op calls, which on FSDP2's DTensor shards each go through DTensor dispatch (2 ranks, tiny LM on
+    CPU: 1.3 ms instead of 9 ms per step). False: the default multi-tensor (``foreach``) loop."""
 
     def __post_init__(self) -> None:
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):

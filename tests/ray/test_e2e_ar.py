@@ -45,8 +45,12 @@ def assert_learned(trainer, steps):
 
 
 def assert_workers_at_driver_priority(trainer):
-    # train workers run at the driver's priority (ray.worker_niceness=0; raising it needs root)
-    assert all(r["niceness"] == (0 if os.geteuid() == 0 else 15) for r in trainer.group.call("ping", {}))
+    # train workers and their command broker run at the driver's priority (ray.worker_niceness=0; raising it needs root)
+    import ray
+
+    expected = 0 if os.geteuid() == 0 else 15
+    assert all(r["niceness"] == expected for r in trainer.group.call("ping", {}))
+    assert ray.get(trainer.group.broker.niceness.remote(), timeout=30) == expected
 
 
 def test_direct_rollout_learns_and_logs_text(ray_local, tmp_path):

@@ -44,7 +44,12 @@ def unpack(box: dict[str, Any], timeout_s: float = 600.0) -> Any:
 class CommandBroker:
     """Per-rank command queues, result slots and the worker announce protocol."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, niceness: int | None = None) -> None:
+        """``niceness``: this process's scheduling priority (``ray.worker_niceness``: the workers' own; at
+        Ray's default of 15 a busy machine delayed every command's hand-over by ~10 ms)."""
+        from unirl_ray.runtime.cluster import set_niceness
+
+        set_niceness(niceness, "command broker")
         self.world_size = world_size
         self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(world_size)]
         self.results: dict[int, dict[int, Any]] = {}
@@ -62,6 +67,12 @@ class CommandBroker:
 
     async def is_closed(self) -> bool:
         return self.closed
+
+    async def niceness(self) -> int:
+        """This process's scheduling priority."""
+        import os
+
+        return os.nice(0)
 
     # ---------------------------------------------------------------- workers
     async def announce(self, rank: int, info: dict[str, Any]) -> int:

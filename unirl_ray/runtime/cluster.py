@@ -44,9 +44,10 @@ class RayConfig:
     steps since the checkpoint before the latest), and a run that ends waits for its last one. False:
     every save waits for its commit."""
     worker_niceness: int | None = 0
-    """Scheduling priority of the train worker processes. Ray starts worker processes at niceness 15,
+    """Scheduling priority of the train worker processes and of their command broker (every command
+    between the driver and the workers passes through it). Ray starts worker processes at niceness 15,
     so on a busy machine every process at the default priority (Serve replicas, other jobs) takes the
-    CPU from training first; 0 gives the train workers the driver's priority. None keeps Ray's."""
+    CPU from training first; 0 gives them the driver's priority. None keeps Ray's."""
 
     def __post_init__(self) -> None:
         workers = self.scaling.get("num_workers", 1)
@@ -69,6 +70,18 @@ class RayConfig:
             res.setdefault("GPU", 1)
         res.setdefault("CPU", 1)
         return {k: float(v) for k, v in res.items()}
+
+
+def set_niceness(target: int | None, what: str) -> None:
+    """Move this process to niceness ``target`` (Ray starts its worker processes at 15); warn if not permitted."""
+    if target is None:
+        return
+    try:
+        current = os.nice(0)
+        if current != target:
+            os.nice(target - current)
+    except (PermissionError, OSError) as exc:  # raising priority needs CAP_SYS_NICE
+        log.warning("cannot set the %s's niceness to %s (%s); it keeps %s", what, target, exc, os.nice(0))
 
 
 def runtime_env_vars() -> dict[str, str]:

@@ -56,7 +56,8 @@ class TrainGroup:
         self.storage_path = storage_path
         self.world_size = ray_cfg.num_workers
         self.broker_name = f"unirl-broker-{run_name}-{uuid.uuid4().hex[:8]}"
-        self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE).remote(self.world_size)
+        self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE).remote(
+            self.world_size, niceness=ray_cfg.worker_niceness)
         self.loop_config = {
             "sections": sections,
             "rank_class": rank_class,

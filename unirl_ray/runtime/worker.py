@@ -26,6 +26,7 @@ import ray.train
 import torch
 
 from unirl_ray.runtime.broker import pack, unpack
+from unirl_ray.runtime.cluster import set_niceness
 from unirl_ray.runtime.operations import dispatch
 from unirl_ray.train.configs import TrainTopology
 
@@ -161,24 +162,12 @@ def _shard_opener(name: str) -> Any:
     return None if shard is None else shard.iter_rows
 
 
-def _set_niceness(target: int | None) -> None:
-    """Move this process to niceness ``target`` (Ray starts workers at 15); warn if not permitted."""
-    if target is None:
-        return
-    try:
-        current = os.nice(0)
-        if current != target:
-            os.nice(target - current)
-    except (PermissionError, OSError) as exc:  # raising priority needs CAP_SYS_NICE
-        log.warning("cannot set the train worker's niceness to %s (%s); it keeps %s", target, exc, os.nice(0))
-
-
 def worker_main(config: dict[str, Any]) -> None:
     """``train_loop_per_worker``: see module docstring. ``config`` comes from ``TrainGroup``."""
     logging.basicConfig(level=config.get("log_level", "INFO"))
     if logging.getLogger().level > logging.DEBUG:  # Ray Train's per-rank lines for every checkpoint and report
         logging.getLogger("ray.train").setLevel(logging.WARNING)
-    _set_niceness(config.get("worker_niceness"))
+    set_niceness(config.get("worker_niceness"), "train worker")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     topology = TrainTopology(world_size=world, rank=rank, dp_size=world, dp_rank=rank)

@@ -233,3 +233,29 @@ def test_metrics_are_written_in_the_background_in_order_and_flushed_by_end(store
     direct.log_metrics({"reward/mean": 1.0}, step=1)
     assert [m.value for m in client.get_metric_history(direct_id, "reward/mean")] == [1.0] and direct._writer is None
     direct.end()
+
+
+def test_a_writer_that_never_frees_room_costs_records_their_mlflow_copy_not_the_run(store, monkeypatch) -> None:
+    """With the queue full for longer than the bound (a write hangs), ``log_metrics`` returns after the bound and
+    the record goes to the local fallback file; ``flush`` says it timed out instead of hanging."""
+    import time
+
+    import threading
+
+    import unirl_ray.tracking.mlflow_tracker as mt
+
+    root, _ = store
+    monkeypatch.setattr(mt, "MAX_QUEUED_WRITES", 1)
+    monkeypatch.setattr(mt, "FLUSH_TIMEOUT_S", 0.3)
+    tracker = MLflowTracker(TrackingConfig(experiment_name="background"))
+    tracker.start(str(root), "stuck")
+    gate = threading.Event()
+    tracker._client.log_batch = lambda *a, **k: gate.wait(30)
+    started = time.monotonic()
+    for step in range(3):  # one in the writer, one queued, the third finds no room
+        tracker.log_metrics({"reward/mean": float(step)}, step=step)
+    assert time.monotonic() - started < 10  # the bound, not the hung write (30 s)
+    assert not tracker.flush(timeout_s=0.3)
+    assert [json.loads(line)["step"] for line in tracker.fallback_metrics_path.read_text().splitlines()] == [2]
+    gate.set()
+    tracker.end()

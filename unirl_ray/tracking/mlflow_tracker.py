@@ -500,20 +500,30 @@ class MLflowTracker:
         record = {"step": int(step), "time": timestamp / 1000, "metrics": clean}
         write = lambda: self._guarded("log_metrics", call, lambda: self._append_jsonl(record), pending=record)  # noqa: E731
         if self.config.background_metrics and self.config.enabled and not self._ended:
-            self._in_background(write)
+            self._in_background(write, record)
         else:
             write()
 
     # ------------------------------------------------------------------ background writes
-    def _in_background(self, write: Callable[[], None]) -> None:
+    def _in_background(self, write: Callable[[], None], record: dict[str, Any]) -> None:
         """Queue ``write`` for the writer thread (started on first use). A full queue (the store is far
-        behind) makes the caller wait for room: memory stays bounded."""
+        behind) makes the caller wait for room, at most ``FLUSH_TIMEOUT_S``: memory stays bounded, and a
+        writer stuck in a write costs this record its MLflow copy, not the run: it goes to the local
+        fallback file (without the lock, which the stuck write holds)."""
         if self._writer is None or not self._writer.is_alive():
             self._writes = queue.Queue(maxsize=MAX_QUEUED_WRITES)
             self._writer = threading.Thread(target=self._write_loop, args=(self._writes,), name="unirl-mlflow-writer",
                                             daemon=True)
             self._writer.start()
-        self._writes.put(write)
+        try:
+            self._writes.put(write, timeout=FLUSH_TIMEOUT_S)
+        except queue.Full:
+            logger.warning("MLflow metric writes are %d behind for %.0fs; step %s goes to %s", MAX_QUEUED_WRITES,
+                           FLUSH_TIMEOUT_S, record.get("step"), self.fallback_metrics_path)
+            try:
+                self._append_jsonl(record)
+            except OSError as exc:
+                logger.warning("cannot write the local tracking fallback: %s", exc)
 
     @staticmethod
     def _write_loop(writes: queue.Queue) -> None:
@@ -535,17 +545,25 @@ class MLflowTracker:
         if writer is None or writes is None or not writer.is_alive() or threading.current_thread() is writer:
             return True
         marker = threading.Event()
-        writes.put(marker)
-        if marker.wait(timeout_s):
-            return True
+        started = time.monotonic()
+        try:
+            writes.put(marker, timeout=timeout_s)
+        except queue.Full:
+            pass
+        else:
+            if marker.wait(max(0.0, timeout_s - (time.monotonic() - started))):
+                return True
         logger.warning("MLflow metric writes queued in this process did not finish within %.0fs", timeout_s)
         return False
 
     def _stop_writer(self) -> None:
         writer, writes = self._writer, self._writes
         if writer is not None and writes is not None and writer.is_alive():
-            writes.put(None)
-            writer.join(timeout=FLUSH_TIMEOUT_S)
+            try:
+                writes.put(None, timeout=FLUSH_TIMEOUT_S)
+                writer.join(timeout=FLUSH_TIMEOUT_S)
+            except queue.Full:  # a writer stuck in a write: it is a daemon thread, and the run ends without it
+                logger.warning("the MLflow metric writer is stuck; ending the run without waiting for it")
         self._writer = self._writes = None
 
     def log_text(self, text: str, artifact_file: str) -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import pickle
 from typing import Any
 
 import ray
 
 from unirl_ray.core.wire import wire
+from unirl_ray.runtime.cluster import set_niceness
 
 INLINE_MAX_BYTES = 256 << 10
 """Payloads and results up to this size ride inline in the broker calls; larger ones go through the
@@ -47,8 +49,6 @@ class CommandBroker:
     def __init__(self, world_size: int, niceness: int | None = None) -> None:
         """``niceness``: this process's scheduling priority (``ray.worker_niceness``: the workers' own; at
         Ray's default of 15 a busy machine delayed every command's hand-over by ~10 ms)."""
-        from unirl_ray.runtime.cluster import set_niceness
-
         set_niceness(niceness, "command broker")
         self.world_size = world_size
         self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(world_size)]
@@ -70,8 +70,6 @@ class CommandBroker:
 
     async def niceness(self) -> int:
         """This process's scheduling priority."""
-        import os
-
         return os.nice(0)
 
     # ---------------------------------------------------------------- workers

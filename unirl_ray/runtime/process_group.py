@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,6 @@ class _CudaDevice:
         return False
 
 
-def _address_and_port() -> tuple[str, int]:
-    from ray.train._internal.utils import get_address_and_port
-
-    return get_address_and_port()
-
-
 def _set_env(addr: str, port: int) -> None:
     """On a worker: where rank 0 listens, and the torchrun variables of this rank."""
     from ray.train import get_context
@@ -123,11 +118,13 @@ class ProcessGroupBackend(Backend):
     share_cuda_visible_devices: bool = True  # as TorchConfig's: a rank may address its node's other GPUs
 
     def on_start(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
-        addr, port = worker_group.execute_single(0, _address_and_port)
+        addr, port = worker_group.execute_single(0, get_address_and_port)
         worker_group.execute(_set_env, addr=addr, port=port)
         world = len(worker_group)
+        # each join is bounded by the collective timeout itself; the wait for all of them a minute beyond it
         ray.get([worker_group.execute_single_async(i, _init, backend=backend_config.backend, world_rank=i, world_size=world,
-                                                   timeout_s=backend_config.timeout_s) for i in range(world)])
+                                                   timeout_s=backend_config.timeout_s) for i in range(world)],
+                timeout=backend_config.timeout_s + 60)
 
     def on_shutdown(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
         futures = worker_group.execute_async(_shutdown, destroy=len(worker_group) > 1)

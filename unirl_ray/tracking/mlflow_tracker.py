@@ -498,7 +498,10 @@ class MLflowTracker:
                 )
 
         record = {"step": int(step), "time": timestamp / 1000, "metrics": clean}
-        write = lambda: self._guarded("log_metrics", call, lambda: self._append_jsonl(record), pending=record)  # noqa: E731
+
+        def write() -> None:
+            self._guarded("log_metrics", call, lambda: self._append_jsonl(record), pending=record)
+
         if self.config.background_metrics and self.config.enabled and not self._ended:
             self._in_background(write, record)
         else:

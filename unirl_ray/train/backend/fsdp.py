@@ -208,6 +208,7 @@ class FSDPBackend:
         cfg = self.optimizer_cfg
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
+        # fused=False would pick torch's slowest (single-tensor) loop: leave it unset for the foreach default
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
                                            **({"fused": True} if cfg.fused else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_scheduler_cfg.factor)

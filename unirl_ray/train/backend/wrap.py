@@ -101,6 +101,7 @@ def gathered_forwards(module: nn.Module) -> Iterator[bool]:
     from torch.utils.hooks import RemovableHandle
 
     sharded = fsdp_modules(module)
+    all_float32 = all(p.dtype == torch.float32 for p in module.parameters())  # every sharded module's, at once
     hooks: list[tuple[nn.Module, tuple[int, ...]]] = []
     for m in sharded:
         state = m._get_fsdp_state()
@@ -108,7 +109,7 @@ def gathered_forwards(module: nn.Module) -> Iterator[bool]:
         policy = getattr(state, "_mp_policy", None)
         # FSDP2 casts inputs (and parameters) to param_dtype: skipped only where that changes nothing
         casts = policy is None or policy.output_dtype is not None or (policy.param_dtype is not None and (
-            policy.param_dtype != torch.float32 or any(p.dtype != torch.float32 for p in m.parameters())))
+            policy.param_dtype != torch.float32 or not all_float32))
         if casts or not (isinstance(pre, RemovableHandle) and isinstance(post, RemovableHandle)):
             hooks = []
             break

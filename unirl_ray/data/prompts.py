@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from unirl_ray.runtime.imports import import_ray_library
+
 logger = logging.getLogger(__name__)
 
 _KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -261,6 +263,7 @@ class PromptSource:
     def _read_rows(self) -> list[dict[str, Any]]:
         if self._kind == "parquet":
             return self._read_parquet_on_driver()
+        import_ray_library("data")  # not concurrently with the fit thread's import of Ray Train
         import ray.data
 
         uris = [self._uri(p) for p in self._files]

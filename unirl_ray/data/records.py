@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.data.sft_examples import ImageExampleBuilder, TextExampleBuilder
+from unirl_ray.runtime.imports import import_ray_library
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class RecordSource:
         return {"train": train}
 
     def _read(self, files: list[str]) -> Any:
+        import_ray_library("data")
         import ray.data
 
         uris = [_ray_uri(f) for f in files]

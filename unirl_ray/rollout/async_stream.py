@@ -40,6 +40,7 @@ from typing import Any
 import ray
 
 from unirl_ray.core.sample import Sample
+from unirl_ray.runtime.imports import import_ray_library
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,7 @@ class RolloutStream:
 
     def __init__(self, *, engine: Any, reward: Any, requests: dict[int, list[dict[str, Any]]], version: int,
                  max_staleness: int, partial_rollout: str, timeout_s: float, gate_name: str, namespace: str) -> None:
+        import_ray_library("data")  # here, not in the consumer thread's first execution (see runtime.imports)
         import ray.data
 
         self.timeout_s = timeout_s

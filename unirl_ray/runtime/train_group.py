@@ -20,6 +20,7 @@ import ray
 
 from unirl_ray.runtime.broker import CommandBroker, pack, unpack
 from unirl_ray.runtime.cluster import RayConfig, runtime_env_vars
+from unirl_ray.runtime.imports import import_ray_library
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class TrainGroup:
 
     def _fit(self) -> None:
         try:
+            import_ray_library("train", "data") if self.datasets else import_ray_library("train")
             self._fit_result = self._trainer().fit()
         except BaseException as exc:  # surfaced to the controller by _check_alive
             self._fit_error = exc

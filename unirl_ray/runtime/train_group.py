@@ -118,7 +118,7 @@ class TrainGroup:
 
     def _fit(self) -> None:
         try:
-            import_ray_library("train", "data") if self.datasets else import_ray_library("train")
+            import_ray_library(*(("train", "data") if self.datasets else ("train",)))
             self._fit_result = self._trainer().fit()
         except BaseException as exc:  # surfaced to the controller by _check_alive
             self._fit_error = exc

@@ -16,6 +16,7 @@ from unirl_ray.runtime import imports
 def test_imports_of_two_threads_never_overlap(monkeypatch):
     """Two threads importing two libraries at once: the imports run one after the other, each once."""
     monkeypatch.setattr(imports, "LIBRARIES", {"a": ("fake_lib_a.x", "fake_lib_a.y"), "b": ("fake_lib_b.x",)})
+    monkeypatch.setattr(imports, "_DONE", set())
     active, overlaps, imported = [0], [], []
 
     def fake_import(name):
@@ -44,6 +45,7 @@ def test_unknown_library_and_missing_public_module_raise(monkeypatch):
     with pytest.raises(ValueError, match="unknown Ray library.*known"):
         imports.import_ray_library("serve-ish")
     monkeypatch.setattr(imports, "LIBRARIES", {"x": ("ray._internal_gone._internal.nope", "ray.no_such_public_module")})
+    monkeypatch.setattr(imports, "_DONE", set())
     with pytest.raises(ImportError, match="no_such_public_module"):
         imports.import_ray_library("x")  # the private one is skipped, the public one raises
 

@@ -8,7 +8,8 @@ per-module import locks, taken in different orders by two threads, end one of th
 ``_DeadlockError`` (seen in CI: a notebook's first ``fit()`` died with "deadlock detected by
 _ModuleLock('ray.data._internal.cluster_autoscaler')").
 
-So every thread calls ``import_ray_library(...)`` before its first use of a Ray library: the imports run
+So each driver entry point into a Ray library (``TrainGroup._fit``, the prompt and record readers, the
+rollout stream) calls ``import_ray_library(...)`` first: the imports run
 under one process-wide lock, one thread at a time, and are free once done. The work after them still
 overlaps; only the imports (which hold the GIL most of the time anyway) are serialised.
 """
@@ -40,6 +41,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
 }
 
 _LOCK = threading.Lock()
+_DONE: set[str] = set()  # libraries imported (or skipped) in this process: later calls return at once
 
 
 def import_ray_library(*names: str) -> None:
@@ -50,15 +52,16 @@ def import_ray_library(*names: str) -> None:
     unknown = [n for n in names if n not in LIBRARIES]
     if unknown:
         raise ValueError(f"unknown Ray library {unknown}; known: {sorted(LIBRARIES)}")
-    modules = [m for n in names for m in LIBRARIES[n]]
-    if all(m in sys.modules for m in modules):
+    if _DONE.issuperset(names):
         return
     with _LOCK:
-        for module in modules:
-            if module in sys.modules:
-                continue
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                if "._internal" not in module:
-                    raise
+        for name in names:
+            for module in LIBRARIES[name]:
+                if module in sys.modules:
+                    continue
+                try:
+                    importlib.import_module(module)
+                except ImportError:
+                    if "._internal" not in module:
+                        raise
+            _DONE.add(name)

@@ -1,11 +1,18 @@
 """Helpers for backend tests: a tiny model, a deterministic train loop, and a 2-rank gloo runner.
 
-Multi-rank tests spawn ranks with ``torch.multiprocessing`` (gloo on CPU, no Ray). A rank runs a
+Multi-rank tests start ranks with ``torch.multiprocessing`` (gloo on CPU, no Ray). A rank runs a
 module-level function and returns a picklable value (tensors included) that the test then checks.
+
+Ranks are forked from one forkserver per test session that imported torch and the backend once
+(``start_ranks``): a spawned rank would import them again each time (~3 CPU-seconds per rank, a
+busy core for most of a two-rank test). The server never runs torch itself (no thread pools to
+inherit), so the forked ranks start as clean as spawned ones; like spawned ones, they see the
+environment and ``sys.path`` of the test process as it was when the server started.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -141,8 +148,19 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     os._exit(0)
 
 
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
+           "unirl_ray.train.backend.fsdp", "unirl_ray.train.rank", "_dist"]
+
+
+def start_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``, the ranks forked from the session's forkserver
+    (see the module docstring); raises as ``spawn`` does when a rank fails."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns each rank's return value."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        start_ranks(_entry, (world_size, free_port(), fn, args, out_dir), world_size)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from _dist import free_port
+from _dist import free_port, start_ranks
 from safetensors.torch import load_file
 
 from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
@@ -371,8 +371,6 @@ def _two_rank_export(rank, port, out_dir):
 
 
 def test_fsdp2_two_rank_export_equals_the_unsharded_weights(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_two_rank_export, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_two_rank_export, (free_port(), str(tmp_path)), 2)
     assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".ok")) == ["full.ok", "lora.ok"]
     assert not [p for p in os.listdir(tmp_path) if "partial" in p]

@@ -131,6 +131,32 @@ def record_training(trainer: Any) -> list[tuple[int, int, list[tuple[str, int]]]
     return seen
 
 
+def copy_run(trainer: Any, dest: Path) -> Path:
+    """The storage folder of a live run copied to ``dest`` as it stands between two checkpoints: the run
+    folder (every checkpoint Ray Train committed so far and its snapshot of them, which names them relative
+    to the folder) and the MLflow store (a consistent SQLite backup, its artifact locations moved to
+    ``dest``). A later fit of the same run name on ``dest`` resumes from the last of those checkpoints in a
+    copy of the MLflow run: what a job stopped there and started again sees, without a run of its own.
+
+    Call it while the run trains a step (no save in flight): it waits for the last checkpoint's commit and
+    for the queued metric writes first."""
+    import shutil
+    import sqlite3
+    from contextlib import closing
+
+    trainer.group.wait_committed()
+    trainer.tracker.flush()
+    src = Path(trainer.run_cfg.storage_path).resolve()
+    dest = Path(dest).resolve()
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("mlflow.db", "mlflow.db-*"))
+    with closing(sqlite3.connect(src / "mlflow.db")) as db, closing(sqlite3.connect(dest / "mlflow.db")) as copy:
+        db.backup(copy)
+        with copy:
+            for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+                copy.execute(f"UPDATE {table} SET {column} = replace({column}, ?, ?)", (str(src), str(dest)))
+    return dest
+
+
 # ------------------------------------------------------------------ faults
 def kill_rank(trainer: Any, rank: int) -> int:
     """SIGKILL one train worker process (as a crash would); returns its pid.

@@ -3,11 +3,13 @@ hold both sides, a Serve reward app, Ray Data prompts, MLflow.
 
 One straight run with both sides trained serves most assertions: 14 steps, a checkpoint every 7, rank 1
 SIGKILLed while step 9 trains (Ray Train restarts the worker group, the workers load the step-7
-checkpoint of both sides, steps 8 and 9 run again: step 8 with the same numbers). A second run trains to step 2,
-stops, and resumes to step 4: its steps 3 and 4 equal the straight run's. Then each frozen mode learns on
-its own, the trained side on a dedicated engine app (the other layouts): ``freeze_llm`` (only the image
-model, on a separate engine; image reward only, advantages over all images of a prompt) and
-``freeze_diffusion`` (only the rewriter, on a colocated engine; a rewrite scored by its best image).
+checkpoint of both sides, steps 8 and 9 run again: step 8 with the same numbers). Its storage folder is
+copied while step 8 first trains (``support.copy_run``: the step-7 checkpoint committed, nothing newer);
+a fit of the copy resumes to step 9, as a job stopped after step 7 would, and its steps 8 and 9 equal the
+straight run's. Then each frozen mode learns on its own, the trained side on a dedicated engine app (the
+other layouts): ``freeze_llm`` (only the image model, on a separate engine; image reward only,
+advantages over all images of a prompt) and ``freeze_diffusion`` (only the rewriter, on a colocated
+engine; a rewrite scored by its best image).
 
 On every step the driver checks that the ranks trained each Part on the advantage it assigned
 (``pe/advantages_checked`` counts them); the ratio is 1 at the start of each side's step (``logp_gap``).
@@ -17,7 +19,7 @@ import os
 
 import numpy as np
 import pytest
-from support import artifacts, attempts, drive, fit, kill_rank, logged, make, recipe_path, sample_table
+from support import artifacts, attempts, copy_run, drive, fit, kill_rank, logged, make, recipe_path, sample_table
 
 from unirl_ray.trainer.pe import PETrainer
 
@@ -49,19 +51,23 @@ def straight(ray_local, tmp_path_factory):
                    "tracking.log_samples_every=7", "++ray.max_failures=1", f"+trainer.export_dir={storage / 'export'}",
                    experiment="e2e-pe")
     pids, original = [], trainer.train
+    copy = tmp_path_factory.mktemp("pe-copy") / "after_step_7"
 
     def train(samples, *, seed):
-        if trainer.prompt_log[-1][0] == KILL_AT and not pids:  # step 9's samples are out, its training starts
+        step = trainer.prompt_log[-1][0]
+        if step == CHECKPOINT + 1 and not copy.exists():  # the step-7 checkpoint, before the kill
+            copy_run(trainer, copy)
+        if step == KILL_AT and not pids:  # step 9's samples are out, its training starts
             pids.append(kill_rank(trainer, 1))
         return original(samples, seed=seed)
 
     trainer.train = train
     trainer.fit()
-    return trainer, storage, pids
+    return trainer, storage, pids, copy
 
 
 def test_both_sides_learn_and_a_killed_worker_is_replayed_exactly(straight):
-    trainer, storage, pids = straight
+    trainer, storage, pids, _ = straight
     assert pids and trainer.restarts == 1 and trainer.policy_version == {"ar": STEPS, "diffusion": STEPS}
     assert_rises(trainer)
     for key in ("reward/brightness/mean", "reward/length/mean"):  # each side moved its own reward
@@ -95,19 +101,17 @@ def test_both_sides_learn_and_a_killed_worker_is_replayed_exactly(straight):
         assert marker in os.listdir(storage / "export" / side), side
 
 
-def test_resume_continues_both_sides_exactly(straight, tmp_path):
-    trainer, _, _ = straight
-    fit(PETrainer, RECIPE, tmp_path, "pe-straight", "trainer.num_steps=2", *COMMON, "tracking.log_samples_every=0",
-        experiment="e2e-pe-resume")
-    resumed = fit(PETrainer, RECIPE, tmp_path, "pe-straight", "trainer.num_steps=4", *COMMON,
+def test_resume_continues_both_sides_exactly(straight):
+    trainer, _, _, copy = straight
+    resumed = fit(PETrainer, RECIPE, copy, "pe-straight", f"trainer.num_steps={KILL_AT}", *COMMON,
                   "tracking.log_samples_every=0", experiment="e2e-pe-resume")
-    assert [s for s, _ in resumed.prompt_log] == [3, 4]
-    assert resumed.prompt_log == trainer.prompt_log[2:4]  # the data cursor continued
+    assert [s for s, _ in resumed.prompt_log] == [CHECKPOINT + 1, KILL_AT]
+    assert resumed.prompt_log == trainer.prompt_log[CHECKPOINT:KILL_AT]  # the data cursor continued
     for key in ("reward/mean", "ar/train/loss", "diffusion/train/loss", "ar/train/grad_norm", "diffusion/train/grad_norm"):
-        got, want = logged(resumed, key), logged(trainer, key)
-        assert sorted(got) == [1, 2, 3, 4], key  # one MLflow run, continued
-        for step in (3, 4):
-            assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), (key, step)
+        got, first = logged(resumed, key), {s: v[0] for s, v in attempts(trainer, key).items()}
+        assert sorted(got) == list(range(1, KILL_AT + 1)), key  # one MLflow run, continued
+        for step in (CHECKPOINT + 1, KILL_AT):  # step 8 as first trained; step 9 as trained after the restart
+            assert got[step] == pytest.approx(first[step], rel=1e-6, abs=1e-9), (key, step)
 
 
 ENGINE = "{_target_: unirl_ray.rollout.DedicatedRollout, engine: hf, placement: %s, ray_actor_options: {num_cpus: 0.5}}"

@@ -7,8 +7,9 @@ restarted workers load the step-4 checkpoint, the controller rewinds to it and r
 the same steps, prompts and numbers, one MLflow run, the restart counted. Its step-2 and step-4
 checkpoints were written before the kill, so they are those of an uninterrupted run.
 
-Training to step 2, stopping, and resuming to step 4 must give bit-identical parameters and optimizer
-state to that run: every random choice is derived from (seed, step, index), the DCP checkpoint holds
+Its storage folder is copied while step 3 trains (``support.copy_run``: the step-2 checkpoint committed,
+nothing newer): a fit of the copy resumes after step 2, as a job stopped there would. Resuming to step 4
+must give bit-identical parameters and optimizer state to that run: every random choice is derived from (seed, step, index), the DCP checkpoint holds
 model, optimizer, scheduler, EMA and per-rank RNG state, and the controller state holds the data
 cursor. Resuming the same step-2 checkpoint on ONE worker instead of two (DCP reshards the FSDP2
 shards) continues the same run: the mini-batch is counted over all ranks, so the math is the same, but
@@ -18,13 +19,12 @@ agree to float rounding, not bit for bit.
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
-from support import attempts, fit, kill_rank, load, make, recipe_path
+from support import attempts, copy_run, fit, kill_rank, load, make, recipe_path
 
 from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
@@ -57,8 +57,10 @@ def trained_state(storage, name, step):
 
 @pytest.fixture(scope="module")
 def killed(ray_local, tmp_path_factory):
-    """The straight run (see the module docstring): (trainer, storage, pids killed, first prompts per step)."""
-    storage = tmp_path_factory.mktemp("straight")
+    """The straight run (see the module docstring): (trainer, storage, pids killed, first prompts per step,
+    two copies of its storage made while step 3 trained)."""
+    storage, copies = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("copies")
+    at_step_2 = (copies / "two_workers", copies / "one_worker")
     trainer = make(ARTrainer, RECIPE, storage, "killed", f"trainer.num_steps={STEPS}", *COMMON, "++ray.max_failures=1",
                    "++ray.num_checkpoints_to_keep=null", experiment="faults")
     pids, first_draw, original = [], {}, trainer.train
@@ -66,17 +68,20 @@ def killed(ray_local, tmp_path_factory):
     def train(samples, *, seed):
         step, prompts = trainer.prompt_log[-1]
         first_draw.setdefault(step, prompts)
+        if step == 3 and not at_step_2[0].exists():
+            for copy in at_step_2:
+                copy_run(trainer, copy)
         if step == STEPS and not pids:  # step 6's samples are out, its training starts
             pids.append(kill_rank(trainer, 1))
         return original(samples, seed=seed)
 
     trainer.train = train
     trainer.fit()
-    return trainer, storage, pids, first_draw
+    return trainer, storage, pids, first_draw, at_step_2
 
 
 def test_killed_worker_mid_step_is_restarted_and_the_run_ends_as_if_nothing_happened(killed):
-    trainer, _, pids, first_draw = killed
+    trainer, _, pids, first_draw, _ = killed
     assert pids and trainer.restarts == 1 and trainer.policy_version == STEPS
     assert [s for s, _ in trainer.prompt_log] == list(range(1, STEPS + 1))
     assert dict(trainer.prompt_log) == first_draw  # the data cursor rewound: steps 5, 6 drew the same prompts
@@ -92,11 +97,8 @@ def test_killed_worker_mid_step_is_restarted_and_the_run_ends_as_if_nothing_happ
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
 
 
-def test_resume_is_exact_and_reshards_onto_fewer_workers(killed, tmp_path):
-    _, straight_dir, _, _ = killed
-    split_dir, reshard_dir = tmp_path / "b", tmp_path / "c"
-    fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=2", *COMMON, experiment="e2e-resume")
-    shutil.copytree(split_dir, reshard_dir)  # the same step-2 checkpoint, resumed elsewhere on 1 worker
+def test_resume_is_exact_and_reshards_onto_fewer_workers(killed):
+    _, straight_dir, _, _, (split_dir, reshard_dir) = killed  # the same step-2 checkpoint; the second on 1 worker
     resumed = fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=4", *COMMON, experiment="e2e-resume")
     assert resumed.prompt_log[0][0] == 3  # resumed after the saved step, in the same MLflow run
     fit(ARTrainer, RECIPE, reshard_dir, "killed", "trainer.num_steps=4", *COMMON, "ray.scaling.num_workers=1",

@@ -46,10 +46,12 @@ def unpack(box: dict[str, Any], timeout_s: float = 600.0) -> Any:
 class CommandBroker:
     """Per-rank command queues, result slots and the worker announce protocol."""
 
-    def __init__(self, world_size: int, niceness: int | None = None) -> None:
+    def __init__(self, world_size: int, niceness: int | None = None, holder: dict[str, Any] | None = None) -> None:
         """``niceness``: this process's scheduling priority (``ray.worker_niceness``: the workers' own; at
-        Ray's default of 15 a busy machine delayed every command's hand-over by ~10 ms)."""
+        Ray's default of 15 a busy machine delayed every command's hand-over by ~10 ms). ``holder``: who holds
+        the run name when this broker is also the run's lock (``runtime.run_lock``), as ``info`` returns it."""
         set_niceness(niceness, "command broker")
+        self.holder = dict(holder or {})
         self.world_size = world_size
         self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(world_size)]
         self.results: dict[int, dict[int, Any]] = {}
@@ -67,6 +69,10 @@ class CommandBroker:
 
     async def is_closed(self) -> bool:
         return self.closed
+
+    async def info(self) -> dict[str, Any]:
+        """Who holds the run name (``runtime.run_lock``)."""
+        return self.holder
 
     async def niceness(self) -> int:
         """This process's scheduling priority."""

@@ -3,9 +3,10 @@
 A run's Serve apps (``<run>-reward``, ``<run>-rollout``), its engine's weight store and its folder
 under the storage path are named after ``trainer.run_name``. Two jobs running the same name at once
 would replace each other's apps and share a weight store without a word, so the driver holds a named
-actor, ``unirl-run-<name>``, for as long as the run is live. The actor is owned by the driver (not
-detached): a job that ends, fails or is killed releases it with its driver, so resuming after a crash
-is never blocked by a stale lock.
+actor, ``unirl-run-<name>``, for as long as the run is live. That actor is the run's command broker
+(``runtime.broker.CommandBroker``, which its train workers find by that name): one process per run
+does both. It is owned by the driver (not detached): a job that ends, fails or is killed releases it
+with its driver, so resuming after a crash is never blocked by a stale lock.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import ray
 
+from unirl_ray.runtime.broker import CommandBroker
+
 NAMESPACE = "unirl_ray"
 RELEASE_WAIT_S = 10.0  # how long a lock this job just released may take to go
 
@@ -23,24 +26,22 @@ class RunNameInUse(RuntimeError):
     """Another live job on this cluster holds the run name."""
 
 
-@ray.remote(num_cpus=0)
-class _RunLock:
-    def __init__(self, holder: dict[str, Any]) -> None:
-        self.holder = holder
-
-    def info(self) -> dict[str, Any]:
-        return self.holder
+def lock_name(run_name: str) -> str:
+    """The name of the lock (and command broker) actor of ``run_name``."""
+    return f"unirl-run-{run_name}"
 
 
-def acquire(run_name: str, timeout_s: float = 30.0) -> Any:
-    """The lock actor of ``run_name`` (keep the handle; ``release`` it at the end).
-    Raises ``RunNameInUse`` naming the job that holds it."""
+def acquire(run_name: str, timeout_s: float = 30.0, *, world_size: int = 1, niceness: int | None = None) -> Any:
+    """The lock actor of ``run_name``: the command broker of its ``world_size`` train ranks (keep the handle;
+    ``release`` it at the end; ``niceness`` as ``CommandBroker`` takes it). Raises ``RunNameInUse`` naming the
+    job that holds it."""
     holder = {"job_id": ray.get_runtime_context().get_job_id()}
-    name = f"unirl-run-{run_name}"
+    name = lock_name(run_name)
     deadline = time.monotonic() + RELEASE_WAIT_S
     while True:
         try:
-            actor = _RunLock.options(name=name, namespace=NAMESPACE, get_if_exists=False).remote(holder)
+            actor = CommandBroker.options(name=name, namespace=NAMESPACE, get_if_exists=False).remote(
+                world_size, niceness=niceness, holder=holder)
             break
         except ValueError:  # the name is taken by a live actor
             other = _holder(name, timeout_s)

@@ -48,17 +48,24 @@ class TrainGroup:
         seed: int,
         datasets: dict[str, Any] | None = None,
         rank_class: str | None = None,
+        broker_name: str | None = None,
     ) -> None:
         """``rank_class``: dotted path of what each rank builds from ``sections`` (default
-        ``runtime.worker.DEFAULT_RANK_CLASS``, the single-stack ``train.rank.StackWorker``)."""
+        ``runtime.worker.DEFAULT_RANK_CLASS``, the single-stack ``train.rank.StackWorker``). ``broker_name``: a
+        fresh ``CommandBroker`` for ``ray_cfg.num_workers`` ranks that the caller owns (the run's lock,
+        ``runtime.run_lock``); without one the group starts its own and kills it when it stops."""
         self.ray_cfg = ray_cfg
         self.datasets = datasets  # Ray Data datasets for the ranks (ray.train.get_dataset_shard; see _dataset_config)
         self.run_name = run_name
         self.storage_path = storage_path
         self.world_size = ray_cfg.num_workers
-        self.broker_name = f"unirl-broker-{run_name}-{uuid.uuid4().hex[:8]}"
-        self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE).remote(
-            self.world_size, niceness=ray_cfg.worker_niceness)
+        self._own_broker = broker_name is None
+        if broker_name is None:
+            self.broker_name = f"unirl-broker-{run_name}-{uuid.uuid4().hex[:8]}"
+            self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE).remote(
+                self.world_size, niceness=ray_cfg.worker_niceness)
+        else:
+            self.broker_name, self.broker = broker_name, ray.get_actor(broker_name, namespace=NAMESPACE)
         self.loop_config = {
             "sections": sections,
             "rank_class": rank_class,
@@ -227,7 +234,8 @@ class TrainGroup:
         self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
             log.warning("the Ray Train run did not end within %.0fs after stop", timeout_s)
-        ray.kill(self.broker)
+        if self._own_broker:
+            ray.kill(self.broker)
 
     @property
     def run_dir(self) -> str:

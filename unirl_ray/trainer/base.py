@@ -22,6 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from unirl_ray.config.recipe import RecipeError, flatten, instantiate, to_yaml, validate_targets
+from unirl_ray.runtime import run_lock
 from unirl_ray.runtime.cluster import RayConfig, check_cluster_fits, ensure_ray
 from unirl_ray.runtime.train_group import TrainGroup, WorkerGroupRestarted
 from unirl_ray.tracking import MLflowTracker, TrackingConfig
@@ -302,9 +303,9 @@ class BaseTrainer(ABC):
         log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
         self.startup.mark("ray")
         check_cluster_fits(self.ray_cfg, self.extra_resources())
-        from unirl_ray.runtime import run_lock
-
-        self._run_lock = run_lock.acquire(self.run_cfg.run_name)  # one live job per run name (its apps, store, folder)
+        # one live job per run name (its apps, store, folder); the lock actor is also the workers' command broker
+        self._run_lock = run_lock.acquire(self.run_cfg.run_name, world_size=self.ray_cfg.num_workers,
+                                          niceness=self.ray_cfg.worker_niceness)
         self._record_recipe()
         self.start_services()
         # the MLflow store opens (a new one migrates its schema) while the workers start; the run itself
@@ -402,6 +403,7 @@ class BaseTrainer(ABC):
             seed=self.run_cfg.seed,
             datasets=self.worker_datasets(),
             rank_class=self.rank_class,
+            broker_name=run_lock.lock_name(self.run_cfg.run_name) if self._run_lock is not None else None,
         )
         t0 = time.perf_counter()
         announced = self.group.start()
@@ -575,8 +577,6 @@ class BaseTrainer(ABC):
                 f"  open it with: {self.tracker.ui_command}",
                 flush=True,
             )
-        from unirl_ray.runtime import run_lock
-
         run_lock.release(self._run_lock)
         self._run_lock = None
         if errors:

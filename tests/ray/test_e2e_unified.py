@@ -7,9 +7,10 @@ numbers: checkpoint + resume exact). Both stages train in one optimizer step on 
 checks that each rank trained each Part on the advantage it assigned; the ratio is 1 at the start of each
 stage's step (``logp_gap``). Right after the last step the live ranks sample fixed requests; the model the
 run exports reloads from its folder and gives the same text and image. The Janus-Pro family (discrete image
-tokens, both stages GRPO) runs 8 steps on 2 workers with the engine pair (a text app writes, an image app
-draws, one weight export per step feeds both): it learns, both stages train every step with engine ==
-trainer log-probs, its export reloads and gives the live outputs.
+tokens, both stages GRPO) runs 8 steps on one worker with both CPUs (it checks nothing about ranks, and a
+worker fewer starts faster) with the engine pair (a text app writes, an image app draws, one weight export
+per step feeds both): it learns, both stages train every step with engine == trainer log-probs, its export
+reloads and gives the live outputs.
 """
 
 import numpy as np
@@ -111,12 +112,13 @@ JANUS_STEPS = 8
 
 @pytest.fixture(scope="module")
 def janus_run(ray_local, tmp_path_factory):
-    """The Janus-Pro family (discrete image tokens, both stages GRPO) on 2 workers, rolled out by the engine pair
-    (a text app and an image app, one export feeds both); the live ranks sample LIVE right after the last step."""
+    """The Janus-Pro family (discrete image tokens, both stages GRPO) on one worker, rolled out by the engine pair
+    (a text app and an image app, one export feeds both); the live rank samples LIVE right after the last step."""
     storage = tmp_path_factory.mktemp("janus")
     trainer = make(UnifiedModelTrainer, JANUS, storage, "janus", f"trainer.num_steps={JANUS_STEPS}",
-                   "trainer.checkpoint_every=100", "tracking.log_samples_every=0",
-                   f"+trainer.export_dir={storage / 'export'}", experiment="e2e-unified")
+                   "trainer.checkpoint_every=100", "tracking.log_samples_every=0", "ray.scaling.num_workers=1",
+                   "ray.scaling.resources_per_worker.CPU=2", f"+trainer.export_dir={storage / 'export'}",
+                   experiment="e2e-unified")
     live, original = [], trainer.train
 
     def train(samples, *, seed):
@@ -125,8 +127,7 @@ def janus_run(ray_local, tmp_path_factory):
         assert all(r["version"] == step - 1 for rs in reports.values() for r in rs), reports  # both fed before the step
         out = original(samples, seed=seed)
         if step == JANUS_STEPS:
-            shards = trainer.group.call("eval_generate", [{"requests": [r]} for r in LIVE])
-            live.extend(s for shard in shards for s in shard)
+            live.extend(trainer.group.call("eval_generate", {"requests": LIVE})[0])
         return out
 
     trainer.train = train

@@ -2,8 +2,9 @@
 and kill runs) reading their shards of a Ray Data dataset, MLflow, checkpoints and export. The tiny LM
 learns the shipped chat records and its export starts a GRPO run; a resumed run continues with exactly
 the records an uninterrupted one trains on (packing and bad records included), and a worker killed
-mid-call replays the lost steps on the same records (one straight run, with that kill, serves both);
-the tiny SD3 learns image-caption pairs."""
+mid-call replays the lost steps on the same records (one straight run, with that kill, serves both: the
+resume is of a copy of its storage taken after step 3, with two steps per call instead of one); the tiny
+SD3 learns image-caption pairs."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import os
 import pytest
 import torch
 from omegaconf import OmegaConf
-from support import ROOT, attempts, fit, kill_rank, load, logged, recipe_path
+from support import ROOT, attempts, copy_run, fit, kill_rank, load, logged, recipe_path
 
 from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
@@ -118,26 +119,30 @@ def bad_records(tmp_path_factory):
 def killed(ray_local, tmp_path_factory, bad_records):
     """The straight SFT run of this module: 6 steps over the records with bad lines, packed, a checkpoint
     at step 3, one step per call; rank 1 is SIGKILLed while step 5 trains (step 4 already logged). Ray
-    Train restarts the group from the step-3 checkpoint and the feeds start again at its data cursor."""
+    Train restarts the group from the step-3 checkpoint and the feeds start again at its data cursor. Its
+    storage is copied as step 4 starts (``support.copy_run``: the step-3 checkpoint committed, nothing newer)."""
     storage = tmp_path_factory.mktemp("straight")
+    copy = tmp_path_factory.mktemp("sft-copy") / "after_step_3"
     trainer = SFTTrainer(recipe(storage, "char_chat_sft.yaml", "straight", f"trainer.num_steps={KILLED_STEPS}",
                                 "trainer.steps_per_call=1", "++ray.max_failures=1", "ray.scaling.num_workers=2",
                                 *bad_records))
     killed, original = [], trainer.train_steps
 
     def train_steps(first, count):
+        if first == 4 and not copy.exists():
+            copy_run(trainer, copy)
         if first == 5 and not killed:
             killed.append(kill_rank(trainer, 1))
         return original(first, count)
 
     trainer.train_steps = train_steps
     trainer.fit()
-    return trainer, storage, killed
+    return trainer, storage, killed, copy
 
 
 def test_sft_worker_killed_mid_call_replays_the_lost_steps_on_the_same_records(killed):
     """Step 4's loss logged before the kill equals the one logged after it: the same records, the same result."""
-    trainer, _, pids = killed
+    trainer, _, pids, _ = killed
     assert pids and trainer.restarts == 1
     losses = attempts(trainer, "train/loss")
     assert sorted(losses) == list(range(1, KILLED_STEPS + 1))
@@ -147,17 +152,23 @@ def test_sft_worker_killed_mid_call_replays_the_lost_steps_on_the_same_records(k
     assert tokens[4][0] == tokens[4][1] > 0  # the same records, from the checkpoint's data cursor
 
 
-def test_resume_continues_with_exactly_the_next_records(killed, bad_records, tmp_path):
-    """Stopped after step 3 and started again (two steps per call): the same records and numbers, step by
-    step, as the straight run (packing and bad records included), and the same final weights."""
-    straight, straight_dir, _ = killed
-    runs = []  # one storage path (one MLflow store); the second fit resumes after step 3
-    for steps in (3, 6):
-        runs.append(SFTTrainer(recipe(tmp_path, "char_chat_sft.yaml", "split", f"trainer.num_steps={steps}",
-                                      "trainer.steps_per_call=2", *bad_records)))
-        runs[-1].fit()
-    split = runs[1]
-    assert split.tracker.run_id == runs[0].tracker.run_id  # resumed in the same MLflow run
+def test_resume_continues_with_exactly_the_next_records(killed, bad_records):
+    """Stopped after step 3 (the straight run's copy) and started again with two steps per call: the same
+    records and numbers, step by step, as the straight run (packing and bad records included), and the same
+    final weights."""
+    straight, straight_dir, _, copy = killed
+    split = SFTTrainer(recipe(copy, "char_chat_sft.yaml", "straight", "trainer.num_steps=6", "trainer.steps_per_call=2",
+                              *bad_records))
+    calls, original = [], split.train_steps
+
+    def train_steps(first, count):
+        calls.append((first, count))
+        return original(first, count)
+
+    split.train_steps = train_steps
+    split.fit()
+    assert calls == [(4, 2), (6, 1)]  # resumed after step 3, two steps per call (the last cut at the end)
+    assert split.tracker.run_id == straight.tracker.run_id  # resumed in (a copy of) the same MLflow run
     for key in ("train/loss", "data/trained_tokens", "data/skipped_total", "data/epoch"):
         assert logged(split, key) == logged(straight, key), key  # the same records, step by step
     skipped = sum(logged(straight, f"data/skipped_{r}")[s] for r in ("bad_json", "missing_field", "empty_text",
@@ -165,9 +176,9 @@ def test_resume_continues_with_exactly_the_next_records(killed, bad_records, tmp
     assert skipped >= 3  # 6 steps x 8 records cover most of the 36 records, bad ones included
     assert logged(straight, "data/epoch")[6] == 1  # crossed an epoch boundary after the resume point
 
-    cfg = recipe(tmp_path, "char_chat_sft.yaml", "split", *bad_records)
+    cfg = recipe(copy, "char_chat_sft.yaml", "straight", *bad_records)
     want, want_state = checkpoint_state(cfg, straight_dir / "straight" / "checkpoint_000006")
-    got, got_state = checkpoint_state(cfg, tmp_path / "split" / "checkpoint_000006")
+    got, got_state = checkpoint_state(cfg, copy / "straight" / "checkpoint_000006")
     assert want_state["controller"]["data"] == got_state["controller"]["data"]
     for k in want:
         assert torch.equal(want[k], got[k]), k

@@ -9,9 +9,9 @@ checkpoints were written before the kill, so they are those of an uninterrupted 
 
 Its storage folder is copied while step 3 trains (``support.copy_run``: the step-2 checkpoint committed,
 nothing newer): a fit of the copy resumes after step 2, as a job stopped there would. Resuming to step 4
-must give bit-identical parameters and optimizer state to that run: every random choice is derived from (seed, step, index), the DCP checkpoint holds
-model, optimizer, scheduler, EMA and per-rank RNG state, and the controller state holds the data
-cursor. Resuming the same step-2 checkpoint on ONE worker instead of two (DCP reshards the FSDP2
+must give bit-identical parameters and optimizer state to that run: every random choice is derived from
+(seed, step, index), the DCP checkpoint holds model, optimizer, scheduler, EMA and per-rank RNG state, and
+the controller state holds the data cursor. Resuming the same step-2 checkpoint on ONE worker instead of two (DCP reshards the FSDP2
 shards) continues the same run: the mini-batch is counted over all ranks, so the math is the same, but
 gloo's two-rank gradient reduction adds in a different order than one rank does, so the parameters
 agree to float rounding, not bit for bit.

@@ -17,8 +17,7 @@ from typing import Any
 import ray
 
 from unirl_ray.runtime.broker import CommandBroker
-
-NAMESPACE = "unirl_ray"
+from unirl_ray.runtime.train_group import NAMESPACE  # the broker's: TrainGroup and the workers look it up there
 RELEASE_WAIT_S = 10.0  # how long a lock this job just released may take to go
 
 

@@ -34,6 +34,12 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
+# Bytecode is cached, as Python does by default: where PYTHONDONTWRITEBYTECODE is set (as on the project's
+# machines), every process of the suite (Ray workers and replicas, vLLM engines, notebook kernels, inherit
+# this environment) would otherwise compile again each module that .ci/setup did not compile.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 
 def pytest_collection_modifyitems(config, items):
     """Mark the Ray tests, and order the modules: those without Ray first (quick failures come early),

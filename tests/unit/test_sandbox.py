@@ -124,6 +124,27 @@ def test_a_fork_bomb_an_infinite_loop_and_a_memory_bomb_are_stopped_and_reported
     assert sandbox.run("print(6 * 7)").stdout.strip() == "42"  # and the machine still runs sandboxes
 
 
+@needs_sandbox
+@pytest.mark.skipif(os.geteuid() != 0, reason="a run gets a uid of its own only under a root parent")
+def test_runs_at_the_same_time_have_a_process_limit_each_and_a_fork_bomb_starves_only_its_own():
+    """Eight runs at once (an agent's tool_workers), each starting a child process, all run while a fork bomb
+    fills its own limit: with one uid for every run they shared one RLIMIT_NPROC and some failed to start
+    ("unshare: fork failed")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sandbox = PythonSandbox(FAST)
+    bomb_code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    child = ("import subprocess, sys\n"
+             "print(subprocess.run([sys.executable, '-c', 'print({} * 2)'], capture_output=True, text=True).stdout.strip())\n")
+    with ThreadPoolExecutor(9) as pool:
+        bomb = pool.submit(sandbox.run, bomb_code)
+        time.sleep(0.5)  # the bomb is at its limit
+        runs = list(pool.map(lambda i: sandbox.run(child.format(i)), range(8)))
+    assert [(r.stdout.strip(), r.reason) for r in runs] == [(str(2 * i), None) for i in range(8)]
+    assert bomb.result().timed_out
+    assert not sandbox_module._claimed  # every run gave its uid back
+
+
 def test_without_namespaces_the_python_tool_is_refused_not_run_open(monkeypatch):
     sandbox_module._probe.cache_clear()
     monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)

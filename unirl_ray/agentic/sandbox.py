@@ -2,8 +2,10 @@
 
 Each ``run`` gets a fresh scratch directory and a child process that:
 
-- runs as the unprivileged user ``nobody`` (uid/gid 65534) with ``RLIMIT_NPROC`` (so a fork bomb stops at
-  ``processes``), ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory), ``RLIMIT_FSIZE`` (file size) and ``RLIMIT_NOFILE``;
+- runs as an unprivileged uid of its own (where the parent is root: a uid no other process has, taken for
+  this run only, so runs that go on at once never share a limit) with ``RLIMIT_NPROC`` (so a fork bomb
+  stops at ``processes``, and only its own run is short of processes), ``RLIMIT_CPU``, ``RLIMIT_AS``
+  (memory), ``RLIMIT_FSIZE`` (file size) and ``RLIMIT_NOFILE``;
 - lives in new user, network, mount and PID namespaces (``unshare``): no network interface is up (not even
   the host's loopback services are reachable), every mount is remounted read-only except the scratch
   directory, which is its working directory and HOME; every process it starts dies with it;
@@ -13,7 +15,9 @@ Each ``run`` gets a fresh scratch directory and a child process that:
 - is killed (the whole PID namespace) after ``wall_s``; the result says so (``timed_out``, ``reason``).
 
 It needs Linux with unprivileged user namespaces and ``unshare`` (util-linux), and a parent that may
-switch to ``nobody`` (root, as in a container) or already is unprivileged. Where any of that is missing
+switch uids (root, as in a container) or already is unprivileged. An unprivileged parent's runs keep its
+uid: ``processes`` then counts on top of that user's processes at the start of a run, and runs that go on
+at once share what is left. Where any of that is missing
 ``PythonSandbox.available()`` is False and ``run`` raises ``SandboxUnavailable``: the tool is refused,
 never run unsandboxed. A mount that cannot be made read-only while writable also refuses the run.
 """
@@ -22,16 +26,20 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 NOBODY = 65534
-"""The uid / gid the code runs as (outside its user namespace)."""
+"""The uid / gid the availability probe runs as (outside its user namespace)."""
+RUN_UIDS = range(0x6A000000, 0x6A000000 + (1 << 24))
+"""Where a root parent takes each run's own uid / gid from (far above any account's), one not in use."""
 
 _BOOTSTRAP = r'''
 import ctypes, os, sys
@@ -85,7 +93,7 @@ class SandboxLimits:
     file_mb: int = 16
     """Largest file a process may write (``RLIMIT_FSIZE``)."""
     processes: int = 16
-    """Processes of the sandbox user at once (``RLIMIT_NPROC``): a fork bomb stops here."""
+    """Processes of one run at once (``RLIMIT_NPROC`` of its own uid): a fork bomb stops here."""
     open_files: int = 64
     """Open file descriptors per process."""
     output_chars: int = 8192
@@ -154,31 +162,59 @@ def _probe() -> tuple[str | None, str | None]:
     return None, why
 
 
-def _sandbox_processes() -> int:
-    """Processes of the sandbox user now (those of an earlier run still count against ``RLIMIT_NPROC``)."""
-    count = 0
+def _uids_in_use() -> dict[int, int]:
+    """``{uid: processes}`` of the processes alive now."""
+    counts: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                count += os.stat(f"/proc/{entry}").st_uid == NOBODY
+                uid = os.stat(f"/proc/{entry}").st_uid
             except OSError:
-                pass
-    return count
+                continue
+            counts[uid] = counts.get(uid, 0) + 1
+    return counts
 
 
-def _wait_for_exit(before: int, timeout_s: float = 10.0) -> None:
-    """Until the processes a run left (a killed fork bomb's, dying with its PID namespace) are gone, bounded."""
+_claimed: set[int] = set()  # run uids of this process' runs in flight
+_claim_lock = threading.Lock()
+
+
+def _claim_uid() -> int:
+    """A uid of ``RUN_UIDS`` that no process has and no run of this process holds (until ``_release_uid``).
+    Another process' sandbox picking the same one at the same instant is a 1-in-millions chance that
+    only makes the two runs share their process limit."""
+    with _claim_lock:
+        live = _uids_in_use()
+        while True:
+            uid = random.choice(RUN_UIDS)
+            if uid not in live and uid not in _claimed:
+                _claimed.add(uid)
+                return uid
+
+
+def _release_uid(uid: int) -> None:
+    with _claim_lock:
+        _claimed.discard(uid)
+
+
+def _wait_for_exit(uid: int, before: int, timeout_s: float = 10.0) -> None:
+    """Until the processes a run left (a killed fork bomb's, dying with its PID namespace) are gone, bounded:
+    ``uid`` has ``before`` processes again."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while _sandbox_processes() > before and time.monotonic() < deadline:
+    while _uids_in_use().get(uid, 0) > before and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def _drop_to_nobody() -> None:
+def _drop_to(uid: int) -> None:
     os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def _drop_to_nobody() -> None:
+    _drop_to(NOBODY)
 
 
 class PythonSandbox:
@@ -198,24 +234,27 @@ class PythonSandbox:
             raise SandboxUnavailable(f"cannot sandbox the Python tool: {why}; the tool is refused (it never runs "
                                      "unsandboxed)")
         limits = self.limits
+        root = os.geteuid() == 0
+        uid = _claim_uid() if root else os.getuid()
+        before = 0 if root else _uids_in_use().get(uid, 0)  # an unprivileged parent's limit counts its own processes
         scratch = os.path.realpath(tempfile.mkdtemp(prefix="unirl-sandbox-"))
         try:
             main = os.path.join(scratch, "main.py")
             with open(main, "w", encoding="utf-8") as f:
                 f.write(code)
-            if os.geteuid() == 0:
-                os.chown(scratch, NOBODY, NOBODY)
-                os.chown(main, NOBODY, NOBODY)
+            if root:
+                os.chown(scratch, uid, uid)
+                os.chown(main, uid, uid)
 
             def child() -> None:
                 os.setsid()  # its own process group: a timeout kills all of it
-                if os.geteuid() == 0:
-                    _drop_to_nobody()
+                if root:
+                    _drop_to(uid)
                 mb = 1024 * 1024
                 for which, value in ((resource.RLIMIT_CPU, int(limits.cpu_s)),
                                      (resource.RLIMIT_AS, int(limits.memory_mb) * mb),
                                      (resource.RLIMIT_FSIZE, int(limits.file_mb) * mb),
-                                     (resource.RLIMIT_NPROC, int(limits.processes)),
+                                     (resource.RLIMIT_NPROC, before + int(limits.processes)),
                                      (resource.RLIMIT_NOFILE, int(limits.open_files)),
                                      (resource.RLIMIT_CORE, 0)):
                     resource.setrlimit(which, (value, value))
@@ -223,7 +262,6 @@ class PythonSandbox:
             command = [shutil.which("unshare"), "-r", "-n", "-m", "-p", "--fork", "--kill-child", "--mount-proc",
                        _probe()[0], "-I", "-S", "-c", _BOOTSTRAP, scratch, main]
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch}
-            before = _sandbox_processes()
             proc = subprocess.Popen(command, cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, preexec_fn=child, close_fds=True)
             timed_out = False
@@ -233,7 +271,7 @@ class PythonSandbox:
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, its namespace's init with it: the kernel kills the rest
                 out, err = proc.communicate(timeout=30)
-            _wait_for_exit(before)
+            _wait_for_exit(uid, before)
             stdout, stderr = (b.decode("utf-8", errors="replace") for b in (out, err))
             code_ = None if timed_out else proc.returncode
             reason = None
@@ -251,3 +289,5 @@ class PythonSandbox:
                                  exit_code=code_, timed_out=timed_out, reason=reason)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+            if root:
+                _release_uid(uid)

@@ -197,13 +197,13 @@ def _release_uid(uid: int) -> None:
         _claimed.discard(uid)
 
 
-def _wait_for_exit(uid: int, before: int, timeout_s: float = 10.0) -> None:
-    """Until the processes a run left (a killed fork bomb's, dying with its PID namespace) are gone, bounded:
-    ``uid`` has ``before`` processes again."""
+def _wait_for_exit(uid: int, timeout_s: float = 10.0) -> None:
+    """Until the processes a run left under its own ``uid`` (a killed fork bomb's, dying with its PID namespace)
+    are gone, bounded."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while _uids_in_use().get(uid, 0) > before and time.monotonic() < deadline:
+    while uid in _uids_in_use() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -236,7 +236,7 @@ class PythonSandbox:
         limits = self.limits
         root = os.geteuid() == 0
         uid = _claim_uid() if root else os.getuid()
-        before = 0 if root else _uids_in_use().get(uid, 0)  # an unprivileged parent's limit counts its own processes
+        already = 0 if root else _uids_in_use().get(uid, 0)  # an unprivileged parent's limit counts its own processes
         scratch = os.path.realpath(tempfile.mkdtemp(prefix="unirl-sandbox-"))
         try:
             main = os.path.join(scratch, "main.py")
@@ -254,7 +254,7 @@ class PythonSandbox:
                 for which, value in ((resource.RLIMIT_CPU, int(limits.cpu_s)),
                                      (resource.RLIMIT_AS, int(limits.memory_mb) * mb),
                                      (resource.RLIMIT_FSIZE, int(limits.file_mb) * mb),
-                                     (resource.RLIMIT_NPROC, before + int(limits.processes)),
+                                     (resource.RLIMIT_NPROC, already + int(limits.processes)),
                                      (resource.RLIMIT_NOFILE, int(limits.open_files)),
                                      (resource.RLIMIT_CORE, 0)):
                     resource.setrlimit(which, (value, value))
@@ -271,7 +271,8 @@ class PythonSandbox:
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, its namespace's init with it: the kernel kills the rest
                 out, err = proc.communicate(timeout=30)
-            _wait_for_exit(uid, before)
+            if root:  # (an unprivileged parent's uid also has its other processes, which come and go)
+                _wait_for_exit(uid)
             stdout, stderr = (b.decode("utf-8", errors="replace") for b in (out, err))
             code_ = None if timed_out else proc.returncode
             reason = None

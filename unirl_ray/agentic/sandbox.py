@@ -152,7 +152,7 @@ def _probe() -> tuple[str | None, str | None]:
         try:
             done = subprocess.run([unshare, "-r", "-n", "-m", "-p", "--fork", candidate, "-I", "-S", "-c", "pass"],
                                   capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"},
-                                  preexec_fn=_drop_to_nobody if os.geteuid() == 0 else None)
+                                  preexec_fn=functools.partial(_drop_to, NOBODY) if os.geteuid() == 0 else None)
         except (OSError, subprocess.SubprocessError) as exc:
             return None, f"unprivileged user namespaces do not work here ({exc})"
         if done.returncode == 0:
@@ -213,10 +213,6 @@ def _drop_to(uid: int) -> None:
     os.setuid(uid)
 
 
-def _drop_to_nobody() -> None:
-    _drop_to(NOBODY)
-
-
 class PythonSandbox:
     """Runs Python source in an isolated child process (see the module docstring)."""
 
@@ -234,10 +230,10 @@ class PythonSandbox:
             raise SandboxUnavailable(f"cannot sandbox the Python tool: {why}; the tool is refused (it never runs "
                                      "unsandboxed)")
         limits = self.limits
-        root = os.geteuid() == 0
-        uid = _claim_uid() if root else os.getuid()
-        already = 0 if root else _uids_in_use().get(uid, 0)  # an unprivileged parent's limit counts its own processes
         scratch = os.path.realpath(tempfile.mkdtemp(prefix="unirl-sandbox-"))
+        root = os.geteuid() == 0
+        uid = _claim_uid() if root else os.getuid()  # released in the finally below
+        already = 0 if root else _uids_in_use().get(uid, 0)  # an unprivileged parent's limit counts its own processes
         try:
             main = os.path.join(scratch, "main.py")
             with open(main, "w", encoding="utf-8") as f:

@@ -31,7 +31,7 @@ def test_reward_replica_killed_between_calls_is_retried_and_replaced(ray_local):
                       if "SERVE_REPLICA" in a["name"] and "fault-reward" in a["name"])
 
     cfg = RewardConfig.from_dict({"rewards": {"brightness": {"fn": "unirl_ray.rewards.image.brightness"}},
-                                  "max_retries": 4, "timeout_s": 30, "num_replicas": 1,
+                                  "max_retries": 4, "timeout_s": 30, "num_replicas": 1, "placement": "serve",
                                   "ray_actor_options": {"num_cpus": 0.25}})
     client = RewardClient.deploy(cfg, app_name="fault-reward", ready_timeout_s=120)
     try:

@@ -4,7 +4,8 @@ not matter to what is checked here, and two-rank SD3 training is in test_e2e_dif
 - the separate layout: a dedicated HF engine app (2 replicas) samples; after every step the LoRA
   adapters (only) reach every replica, verified by version and checksum; engine log-probs equal the
   trainer's at step start;
-- reward placement: a CLIP image-model reward runs as its own Serve app next to the shared rule app;
+- reward placement: a CLIP image-model reward runs as its own Serve app next to the shared rule app (in
+  Serve here, ``reward.placement=serve``: the other runs score their rule rewards in the driver);
 - evaluation with the mirror EMA: held-out prompts every ``eval_every`` steps, deterministic, and the
   training weights unchanged by it (checksum through a worker op).
 """
@@ -83,7 +84,7 @@ def placed_run(ray_local, tmp_path_factory):
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("a red fox\na snowy owl\na green frog\na striped tiger\n")
     trainer = make(tmp_path, "sd3_tiny_flowgrpo.yaml", "placed", f"trainer.num_steps={PLACED_STEPS}", CLIP, *EMA_EVAL,
-                   f"+trainer.eval_prompts={held_out}")
+                   f"+trainer.eval_prompts={held_out}", "++reward.placement=serve")
     history, extra, status = [], {}, "FAILED"
     try:
         assert trainer.setup() == 0

@@ -54,8 +54,10 @@ ALL_REWARDS = {
 
 @pytest.fixture(scope="module")
 def reward_app(ray_local):
-    """One app with every test reward on 2 replicas; each test's client asks for a subset of sources."""
-    cfg = RewardConfig.from_dict({"rewards": ALL_REWARDS, "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}})
+    """One Serve app with every test reward on 2 replicas (rule rewards would run locally by default); each
+    test's client asks for a subset of sources."""
+    cfg = RewardConfig.from_dict({"rewards": ALL_REWARDS, "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25},
+                                  "placement": "serve"})
     client = RewardClient.deploy(cfg, app_name="reward-test", ready_timeout_s=120)
     yield client
     client.shutdown()

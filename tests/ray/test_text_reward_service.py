@@ -87,18 +87,26 @@ def test_text_samples_scored_by_rules_and_reward_model(text_reward_app, gsm8k_ro
         assert key in metrics
 
 
-def test_reward_model_runs_in_its_own_app(text_reward_app):
+def test_reward_model_runs_in_its_own_app_and_the_rules_in_this_process(text_reward_app):
+    """``placement: auto``: the rule sources (functions) run in the client's process, the reward model (a
+    class, with its own ``app``) in its Serve app; the client only ever deletes Serve apps."""
     from ray import serve
 
+    from unirl_ray.rewards.service import LocalRewardHandle
+
     assert [a.name for a in text_reward_app.apps] == ["text-reward-test", "text-reward-test-rm"]
+    assert [a.local for a in text_reward_app.apps] == [True, False]
+    assert isinstance(text_reward_app.apps[0].handle, LocalRewardHandle)
+    assert text_reward_app.app_names() == ["text-reward-test-rm"]
     assert [s.name for s in text_reward_app.apps[0].config.specs] == ["math", "chars"]
     assert [s.name for s in text_reward_app.apps[1].config.specs] == ["rm"]
     running = serve.status().applications
+    assert running["text-reward-test-rm"].status == "RUNNING" and "text-reward-test" not in running
     for app in text_reward_app.apps:
-        assert running[app.name].status == "RUNNING"
-        # each replica was built from its app's config only: the rule app never loads the model
+        # each was built from its app's config only: the rules never load the model
         assert sorted(app.handle.get_config.remote().result(timeout_s=30)["rewards"]) == sorted(
             s.name for s in app.config.specs)
+    assert RewardConfig.from_dict({"rewards": REWARDS}).resources() == {"CPU": 0.25}  # the rm app's replica only
 
 
 def test_http_body_without_images_scores_text():

@@ -203,7 +203,8 @@ def test_sources_with_their_own_app_are_placed_apart():
     assert [s.name for s in own.specs] == ["jpeg"] and own.num_replicas == 2 and own.timeout_s == 7.0
     assert own.ray_actor_options == {"num_cpus": 1, "num_gpus": 0.25} and own.weights == {"jpeg": 0.5}
     assert cfg.weights == {"bright": 1.0, "jpeg": 0.5}  # combined on the driver over all apps
-    assert cfg.resources() == {"CPU": 3 * 0.5 + 2 * 1, "GPU": 0.5}
+    assert cfg.resources() == {"CPU": 2 * 1, "GPU": 0.5}  # the rule source runs locally: no replica
+    assert RewardConfig.from_dict({**cfg.to_dict(), "placement": "serve"}).resources() == {"CPU": 3 * 0.5 + 2 * 1, "GPU": 0.5}
     with pytest.raises(ValueError, match="unknown app key 'num_replica'.*did you mean 'num_replicas'"):
         RewardConfig.from_dict({"rewards": {"b": {"fn": "unirl_ray.rewards.image.brightness",
                                                   "app": {"num_replica": 2}}}})
@@ -246,3 +247,50 @@ def test_a_hanging_reward_never_starves_the_healthy_ones():
     assert all(r["scores"]["bright"] == [pytest.approx(1.0)] for r in results)  # never starved
     assert "did not finish within timeout_s=0.2 s" in results[0]["errors"]["hang"]
     assert all("still running past timeout_s" in r["errors"]["hang"] for r in results[1:])
+
+
+def _slow(*, images, prompts, **columns):
+    __import__("time").sleep(1.0)
+    return [1.0] * len(prompts)
+
+
+def test_rule_rewards_run_in_the_clients_process_with_the_replicas_policy():
+    """``placement: auto`` runs function sources (rule rewards) in the client's process: no Ray, no Serve, the
+    same deadlines, retries and ``on_error`` as a replica; a class source (a model) goes to Serve; the client
+    pickles (into an async trainer's rollout stage) and builds its sources again where it lands."""
+    import pickle
+
+    from unirl_ray.rewards import RewardClient, RewardError
+    from unirl_ray.rewards.service import LocalRewardHandle
+
+    rules = {"bright": {"fn": "unirl_ray.rewards.image.brightness"}, "slow": {"fn": _slow, "weight": 0.0}}
+    assert RewardConfig.from_dict({"rewards": rules}).shared_runs_locally()
+    assert not RewardConfig.from_dict({"rewards": rules, "placement": "serve"}).shared_runs_locally()
+    model = {"rm": {"fn": "unirl_ray.rewards.model.SequenceClassifierReward", "kwargs": {"tiny": True}}}
+    assert not RewardConfig.from_dict({"rewards": {**rules, **model}}).shared_runs_locally()  # a class: Serve
+    assert RewardConfig.from_dict({"rewards": {**rules, **model}, "placement": "local"}).shared_runs_locally()
+    with pytest.raises(ValueError, match="placement"):
+        RewardConfig.from_dict({"rewards": rules, "placement": "driver"})
+
+    images = np.stack([_flat(0), _flat(255)])
+    client = RewardClient.deploy({"rewards": rules, "timeout_s": 0.3, "max_retries": 0, "on_error": "skip"}, app_name="r")
+    try:
+        assert [(a.name, a.local) for a in client.apps] == [("r", True)] and client.app_names() == []
+        assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+        scores, retries, skipped = client.score_inputs(images, ["a", "b"])
+        assert scores["bright"] == [pytest.approx(0.0), pytest.approx(1.0)]
+        assert scores["slow"] == [None, None] and (retries, skipped) == (0, 1)  # past its deadline: skipped
+        copy = pickle.loads(pickle.dumps(client))
+        assert isinstance(copy.apps[0].handle, LocalRewardHandle) and copy.apps[0].handle is not client.apps[0].handle
+        assert copy.score_inputs(images, ["a", "b"])[0]["bright"] == scores["bright"]
+        copy.shutdown()
+    finally:
+        client.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        client.score_inputs(images, ["a", "b"])
+    strict = RewardClient.deploy({"rewards": rules, "timeout_s": 0.3, "max_retries": 1}, app_name="r")
+    try:
+        with pytest.raises(RewardError, match=r"'slow' failed: did not finish within timeout_s=0.3 s \(after 2 attempt"):
+            strict.score_inputs(images, ["a", "b"])
+    finally:
+        strict.shutdown()

@@ -7,7 +7,7 @@ The contract users implement (one instance per trajectory; no Ray, no tokenizer 
     env.answer() -> str                                         # what the reward service scores at the end
 
 ``reward`` is a per-turn reward the environment knows itself (``None``: none); the terminal answer is scored
-by the reward Serve app. ``env.tools`` (JSON schemas) go to the chat template as ``tools=``; ``env.stats()``
+by the reward app(s). ``env.tools`` (JSON schemas) go to the chat template as ``tools=``; ``env.stats()``
 reports what the trajectory did (tool calls, errors, seconds). An exception raised by ``step`` (a tool that
 crashed, timed out, a broken environment) ends the trajectory as *failed*: it is excluded from the
 advantages and counted, never trained on as if it had a reward.

@@ -193,6 +193,13 @@ class RewardConfig:
     """Resources of each replica (fractional CPUs avoid deadlocks next to Train workers on small machines)."""
     max_ongoing_requests: int = 16
     """Concurrent requests one replica accepts."""
+    placement: Literal["auto", "local", "serve"] = "auto"
+    """Where the shared sources (those without their own ``app``) run. ``local``: in the process that holds
+    the client (the trainer's driver; an async trainer's rollout stage), each source in worker threads
+    under the same ``timeout_s``, retries and ``on_error`` as in a replica, with no replica to start or
+    call. ``serve``: a Serve app of ``num_replicas`` replicas (``ray_actor_options``). ``auto`` (the
+    default): ``local`` when every shared source is a function (rule rewards), ``serve`` when one is a
+    class (it builds a model, once per replica). A source with ``app`` always runs as its own Serve app."""
     image_prompt: Literal["original", "rewrite"] = "original"
     """Prompt-enhancer runs: the prompt reward fns get as ``prompts``: the user's ``original`` prompt (so a
     rewriter cannot win by drifting from it) or the ``rewrite`` the image was drawn from. Both are also in
@@ -256,9 +263,10 @@ class RewardConfig:
         self.ray_actor_options = dict(self.ray_actor_options)
 
     def placements(self) -> list[tuple[str, "RewardConfig"]]:
-        """One ``(suffix, config)`` per Serve app: the shared app (suffix ``""``) with every source
-        without ``app``, then one app per source with ``app`` (suffix ``"-<name>"``), each config
-        holding only its sources and its own replicas / resources (timeouts and policy are shared)."""
+        """One ``(suffix, config)`` per app: the shared app (suffix ``""``; in Serve or local, see
+        ``placement``) with every source without ``app``, then one Serve app per source with ``app``
+        (suffix ``"-<name>"``), each config holding only its sources and its own replicas / resources
+        (timeouts and policy are shared)."""
         base = {k: v for k, v in self.to_dict().items() if k != "rewards"}
         shared = {n: e for n, e in self.rewards.items() if n not in self._apps}
         out: list[tuple[str, RewardConfig]] = []
@@ -269,10 +277,20 @@ class RewardConfig:
             out.append((f"-{name}", RewardConfig(rewards={name: entry}, **{**base, **app})))
         return out
 
+    def shared_runs_locally(self) -> bool:
+        """Whether the shared sources run in the client's process (``placement``; see there)."""
+        if self.placement != "auto":
+            return self.placement == "local"
+        return not any(inspect.isclass(spec.resolve()) for spec in self._specs if spec.name not in self._apps)
+
     def resources(self) -> dict[str, float]:
-        """CPUs / GPUs all reward replicas reserve, summed over apps (for the cluster-fit check)."""
+        """CPUs / GPUs all reward replicas reserve, summed over the Serve apps (for the cluster-fit check);
+        shared sources that run locally reserve nothing."""
         need: dict[str, float] = {}
-        for _, cfg in self.placements():
+        local = self.shared_runs_locally()
+        for suffix, cfg in self.placements():
+            if local and not suffix:
+                continue
             opts = cfg.ray_actor_options
             need["CPU"] = need.get("CPU", 0.0) + float(opts.get("num_cpus", 1)) * cfg.num_replicas
             if opts.get("num_gpus"):

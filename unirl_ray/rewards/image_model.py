@@ -13,7 +13,7 @@ it once (its ``kwargs`` go to the constructor) and then calls it per batch::
           app: {num_replicas: 1, ray_actor_options: {num_cpus: 1, num_gpus: 0.25}}
 
 Placement: ``app:`` gives the model its own Serve app (``<run>-reward-clip``) with its own replicas
-and resources, started before the train workers; the rule rewards keep sharing the main reward app.
+and resources, started before the train workers; the rule rewards keep sharing the main reward app (in the driver by default).
 The driver sends every batch to both apps and combines the weighted scores.
 
 The score of an image is ``scale * cos(image_embed, text_embed)`` of a ``transformers`` ``CLIPModel``

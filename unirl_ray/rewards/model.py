@@ -15,7 +15,7 @@ replica builds it once (its ``kwargs`` go to the constructor) and then calls it 
       ray_actor_options: {num_cpus: 0.25}
 
 Placement: ``app:`` gives the model its own Serve app with its own replicas and resources, while
-the rule rewards keep sharing the main reward app. With ``num_gpus: 0.25`` four replicas share one
+the rule rewards keep sharing the main reward app (in the driver by default). With ``num_gpus: 0.25`` four replicas share one
 GPU (``device: auto`` then picks ``cuda``); ``memory`` reserves host RAM; each replica loads its own
 copy. Without ``app`` the model runs inside the shared reward app, whose ``ray_actor_options`` must
 then cover it.

@@ -4,7 +4,8 @@
 in a worker thread of the replica under its own deadline (``timeout_s``), so a slow or failing source
 is named and the other sources' scores still come back; the driver waits ``timeout_s`` plus a
 transport grace (``CLIENT_GRACE_S``) before it gives up on the whole request. ``RewardClient`` is what the trainer
-holds: it deploys the app (HTTP off unless asked), splits a batch across replicas, applies the retry
+holds: it deploys the app (HTTP off unless asked; rule rewards run in the client's own process instead,
+``RewardConfig.placement``), splits a batch across replicas, applies the retry
 and ``on_error`` policy documented in ``unirl_ray.rewards.combine``, writes ``Sample.rewards`` /
 ``Sample.reward`` in place and returns the step's reward metrics.
 
@@ -21,9 +22,10 @@ import asyncio
 import base64
 import io
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -209,14 +211,79 @@ def samples_to_inputs(samples: Sequence[Sample]) -> tuple[Any, list[str], dict[s
 
 @dataclass(frozen=True)
 class RewardApp:
-    """One deployed reward Serve app: its handle, the sources it runs (its config) and its name."""
+    """One reward app: its handle, the sources it runs (its config) and its name."""
 
     handle: Any
-    """Serve ``DeploymentHandle`` of the app's ``RewardService``."""
+    """Serve ``DeploymentHandle`` of the app's ``RewardService``, or a ``LocalRewardHandle``."""
     config: RewardConfig
     """The app's sources, replicas and resources."""
     name: str
-    """Serve application name."""
+    """Serve application name (of a local app: the name it would have in Serve)."""
+    local: bool = False
+    """Whether the sources run in this process (``LocalRewardHandle``) rather than in Serve replicas."""
+
+
+class LocalRewardHandle:
+    """A ``RewardService`` in this process, called like its Serve handle (``handle.score_detailed.remote(...)
+    .result(timeout_s=...)``): the same per-source threads and deadlines as a replica, on an event loop
+    thread of its own, without a replica to start or a request to send.
+
+    Pickled (e.g. into an async trainer's rollout stage), it carries its config and builds its sources
+    again in the process that unpickles it."""
+
+    def __init__(self, config: RewardConfig | Mapping[str, Any]):
+        self.config = RewardConfig.from_dict(config)
+        self._service = RewardService.func_or_class(self.config.to_dict())
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="reward-local", daemon=True)
+        self._thread.start()
+        self.score_detailed = _LocalMethod(self, self._service.score_detailed)
+        self.get_config = _LocalMethod(self, self._service.get_config)
+
+    def __reduce__(self):
+        return (LocalRewardHandle, (self.config.to_dict(),))
+
+    def submit(self, method: Any, args: tuple, kwargs: dict) -> _LocalResponse:
+        if self._loop.is_closed():
+            raise RuntimeError("this local reward app was shut down")
+        if asyncio.iscoroutinefunction(method):
+            return _LocalResponse(asyncio.run_coroutine_threadsafe(method(*args, **kwargs), self._loop))
+        future: Future = Future()
+        future.set_result(method(*args, **kwargs))
+        return _LocalResponse(future)
+
+    def close(self) -> None:
+        """Stop the event loop and the sources' threads (calls still running past their deadline finish
+        in the background, as in a replica)."""
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        for pool in self._service._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _LocalMethod:
+    def __init__(self, owner: LocalRewardHandle, method: Any) -> None:
+        self._owner, self._method = owner, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> _LocalResponse:
+        return self._owner.submit(self._method, args, kwargs)
+
+
+class _LocalResponse:
+    """What ``LocalRewardHandle`` calls return: ``result(timeout_s=)`` and ``cancel()``, as a Serve response."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        return self._future.result(timeout=timeout_s)  # TimeoutError when it is not done by then
+
+    def cancel(self) -> None:
+        self._future.cancel()
 
 
 @dataclass
@@ -233,9 +300,10 @@ class _Unit:
 class RewardClient:
     """Driver-side handle to the deployed reward app(s), applying the failure policy.
 
-    Sources without ``app`` share one Serve app; each source with ``app`` (e.g. a reward model that
-    needs a GPU share) has its own. A batch is split across the replicas of every app, all requests
-    go out at once, and the per-source scores are combined on the driver.
+    Sources without ``app`` share one app: in this process for rule rewards (``RewardConfig.placement``),
+    else a Serve app; each source with ``app`` (e.g. a reward model that needs a GPU share) has a Serve
+    app of its own. A batch is split across the replicas of every Serve app, all requests go out at
+    once, and the per-source scores are combined on the driver.
     """
 
     def __init__(self, apps: Sequence[RewardApp], config: RewardConfig):
@@ -259,22 +327,30 @@ class RewardClient:
         http_port: int | None = None,
         ready_timeout_s: float = 120.0,
     ) -> "RewardClient":
-        """Start Serve (HTTP off unless ``http_port``) and run the reward app(s); wait until ready.
+        """Run the reward app(s) and wait until ready; Serve is started (HTTP off unless ``http_port``)
+        where one of them is a Serve app.
 
-        One app ``app_name`` for the shared sources, plus ``<app_name>-<source>`` for every source with
-        its own ``app`` placement. Raises TimeoutError when the replicas do not start within
+        One app ``app_name`` for the shared sources (in this process where ``config.placement`` says so:
+        rule rewards by default), plus the Serve app ``<app_name>-<source>`` for every source with its own
+        ``app`` placement. Raises TimeoutError when the replicas do not start within
         ``ready_timeout_s`` (usually: not enough free CPUs / GPUs for ``num_replicas`` x
         ``ray_actor_options``); apps already deployed by this call are deleted again.
         """
         cfg = RewardConfig.from_dict(config)
-        start_serve(http_port)
+        local = cfg.shared_runs_locally()
+        placements = cfg.placements()
+        if any(suffix or not local for suffix, _ in placements):
+            start_serve(http_port)
         apps: list[RewardApp] = []
         try:
-            for suffix, sub in cfg.placements():
-                apps.append(_deploy_one(sub, app_name + suffix, http_port, ready_timeout_s))
+            for suffix, sub in placements:
+                if local and not suffix:
+                    apps.append(RewardApp(LocalRewardHandle(sub), sub, app_name + suffix, local=True))
+                else:
+                    apps.append(_deploy_one(sub, app_name + suffix, http_port, ready_timeout_s))
         except BaseException:
             for app in apps:
-                _delete_quietly(app.name)
+                _close(app)
             raise
         return cls(apps, cfg)
 
@@ -315,9 +391,9 @@ class RewardClient:
         n = len(prompts)
         scores: dict[str, list[float | None]] = {spec.name: [None] * n for spec in self.config.specs}
         units = [
-            _Unit(app, lo, hi, self._payload(images, prompts, columns, lo, hi), [s.name for s in app.config.specs])
+            _Unit(app, lo, hi, self._payload(app, images, prompts, columns, lo, hi), [s.name for s in app.config.specs])
             for app in self.apps
-            for lo, hi in _split(n, app.config.num_replicas)
+            for lo, hi in _split(n, 1 if app.local else app.config.num_replicas)
         ]
         causes: dict[tuple[int, str], str] = {}
         retries = 0
@@ -334,9 +410,10 @@ class RewardClient:
         skipped = self._apply_on_error(units, causes)
         return scores, retries, skipped
 
-    def _payload(self, images: Any, prompts: Sequence[str], columns: Any, lo: int, hi: int) -> tuple:
+    def _payload(self, app: RewardApp, images: Any, prompts: Sequence[str], columns: Any, lo: int, hi: int) -> tuple:
         part = images[lo:hi]
-        ref = ray.put(part) if isinstance(part, np.ndarray) else part  # put once, reused by retries
+        # to a replica: put once, reused by retries; a local app reads the array where it is
+        ref = ray.put(part) if isinstance(part, np.ndarray) and not app.local else part
         cols = {k: list(v[lo:hi]) for k, v in (columns or {}).items()}
         return ref, list(prompts[lo:hi]), cols
 
@@ -386,12 +463,15 @@ class RewardClient:
         return len({name for _, name in failed})
 
     def app_names(self) -> list[str]:
-        """The Serve apps of this client (one per reward app)."""
-        return [app.name for app in self.apps]
+        """The Serve apps of this client (one per reward app that runs in Serve)."""
+        return [app.name for app in self.apps if not app.local]
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Delete the reward app(s) (Serve itself keeps running for other apps)."""
-        delete_apps([app.name for app in self.apps], timeout_s=timeout_s)
+        """Delete the reward app(s) (Serve itself keeps running for other apps); stop a local one."""
+        for app in self.apps:
+            if app.local:
+                app.handle.close()
+        delete_apps(self.app_names(), timeout_s=timeout_s)
 
 
 def _deploy_one(cfg: RewardConfig, app_name: str, http_port: int | None, ready_timeout_s: float) -> RewardApp:
@@ -415,6 +495,14 @@ def _deploy_one(cfg: RewardConfig, app_name: str, http_port: int | None, ready_t
 
 def _failed_names(units: Sequence[_Unit]) -> list[str]:
     return sorted({name for u in units for name in u.pending})
+
+
+def _close(app: RewardApp) -> None:
+    """Stop a local app or delete a Serve one, best effort (after a failed deploy)."""
+    if app.local:
+        app.handle.close()
+    else:
+        _delete_quietly(app.name)
 
 
 def _delete_quietly(app_name: str) -> None:

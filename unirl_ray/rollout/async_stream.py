@@ -9,7 +9,7 @@ one Ray Data actor stage, ``RolloutStage``, while the Ray Train slab trains. For
   then generates on the dedicated engine app with that version or a newer one. Each sample is
   tagged with the version that generated it (read under the replica's lock, so a weight load
   waits for a generation in flight: never a mix of two versions inside one sample);
-- scores the samples on the reward Serve app(s).
+- scores the samples on the reward app(s) (rule rewards in the stage's own process).
 
 Rollout and reward share the stage on purpose: a second actor stage for the reward cost more CPU
 per sample than the overlap it bought (each Ray Data actor operator adds its own task, block and

@@ -7,7 +7,7 @@ dedicated engine (``rollout: DedicatedRollout``; ``placement: colocated`` as in 
     prompts  -> each prompt group_size times
     rollout  -> every trajectory run to its end: engine turn (token in, token out) -> environment step
                 (tools, concurrently) -> ... -> answer; barrier: only complete groups come back
-    reward   -> the answer (the ``completions`` column) scored by the reward Serve app; per-turn rewards
+    reward   -> the answer (the ``completions`` column) scored by the reward app(s); per-turn rewards
                 of the environment, if any, are added; a failed trajectory's reward is None
     credit   -> group-relative advantages (``trainer.credit: trajectory``: every turn the trajectory's;
                 ``turn``: each turn its return-to-go against the group's baseline)

@@ -14,7 +14,7 @@ Each step, in order (``run_step``):
 
     prompts   -> data.next_batch(prompts_per_step), each prompt repeated group_size times
     rollout   -> trainside ranks or the engine app (log-probs recorded per step / token)
-    reward    -> the reward Serve app
+    reward    -> the reward app(s) (rule rewards in this process, reward models in Serve)
     credit    -> assign_credit: the algorithm's group-relative advantages by default (on the driver: groups
                  span ranks; ``algorithms.credit``)
     train     -> every rank trains on its shard (prepare_segment, mini-batches, optimizer steps)

@@ -22,7 +22,8 @@ RECIPE = support.recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 
 def make(tmp_path, steps):
     return support.make(ARTrainer, RECIPE, tmp_path, "atomic", f"trainer.num_steps={steps}", "trainer.checkpoint_every=2",
-                        "tracking.log_samples_every=0", "ray.scaling.num_workers=1", experiment="faults")
+                        "tracking.log_samples_every=0", "ray.scaling.num_workers=1",
+                        "ray.scaling.resources_per_worker.CPU=2", experiment="faults")
 
 
 def kill_when_folder_appears(folder, pid, done):

@@ -17,6 +17,9 @@ from unirl_ray.trainer.diffusion import DiffusionTrainer
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 RECIPE = recipe_path("diffusion", "sd3", "sd3_tiny_flowgrpo.yaml")
+# one train worker with both CPUs (torch's threads follow the worker's CPUs; a trainside rollout would leave
+# the second core idle)
+ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
 
 
 def run(tmp_path, run_name, *overrides):
@@ -32,7 +35,7 @@ def test_reward_rises_with_metrics_images_and_checkpoint(ray_local, tmp_path):
     # seen: steps 1-3 average 0.4906 with a spread of 0.0016, steps 6-8 0.5156 (about 15 spreads higher)
     # synchronous checkpoints here (every save waits for Ray Train's commit); the other runs use the default
     trainer = run(tmp_path, "learn", "trainer.num_steps=8", "trainer.checkpoint_every=4", "tracking.log_samples_every=4",
-                  "ray.scaling.num_workers=1", "++ray.async_checkpoint=false")
+                  *ONE_WORKER, "++ray.async_checkpoint=false")
     uri, run_id = trainer.tracker.tracking_uri, trainer.tracker.run_id
     rewards = reward_history(uri, run_id)
     assert len(rewards) == 8
@@ -112,7 +115,7 @@ NFT_RECIPE = recipe_path("diffusion", "sd3", "sd3_tiny_nft.yaml")
 def nft_steps(tmp_path, run_name, steps, *overrides):
     """The tiny DiffusionNFT recipe on 1 Ray Train worker, ``steps`` steps through ``run_step``; the metrics."""
     trainer = make(DiffusionTrainer, NFT_RECIPE, tmp_path, run_name, f"trainer.num_steps={steps}",
-                   "trainer.checkpoint_every=100", "tracking.log_samples_every=0", "ray.scaling.num_workers=1",
+                   "trainer.checkpoint_every=100", "tracking.log_samples_every=0", *ONE_WORKER,
                    *overrides, experiment="e2e")
     return drive(trainer, steps)
 

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 def make(tmp_path, recipe, name, *overrides):
     return support.make(DiffusionTrainer, support.recipe_path("diffusion", "sd3", recipe), tmp_path, name,
                         "trainer.checkpoint_every=100", "tracking.log_samples_every=0", "ray.scaling.num_workers=1",
+                        "ray.scaling.resources_per_worker.CPU=2",
                         *overrides,
                         experiment="e2e-layouts")
 

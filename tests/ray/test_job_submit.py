@@ -182,7 +182,7 @@ def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
         env, "job", "submit", "--address", url, "--working-dir", str(REPO_ROOT), "--",
         "python", "recipes/sd3.py",
         "trainer.num_steps=2", "trainer.checkpoint_every=2", f"trainer.storage_path={storage}",
-        "ray.scaling.num_workers=1",
+        "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2",
     )
     elapsed = time.perf_counter() - t0
     out = proc.stdout + proc.stderr

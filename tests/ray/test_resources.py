@@ -17,7 +17,11 @@ def test_unschedulable_workers_fail_fast_with_names(ray_local, tmp_path):
     with pytest.raises(ValueError, match=r"GPU: need 2, cluster has 0"):
         DiffusionTrainer(recipe).fit()
     recipe = load_recipe(RECIPE, [f"trainer.storage_path={tmp_path}", "ray.scaling.resources_per_worker={CPU: 100}"])
-    with pytest.raises(ValueError, match=r"CPU: need 200\.25, cluster has 8"):
+    with pytest.raises(ValueError, match=r"CPU: need 200, cluster has 8"):  # the rule reward runs in the driver
+        DiffusionTrainer(recipe).fit()
+    recipe = load_recipe(RECIPE, [f"trainer.storage_path={tmp_path}", "ray.scaling.resources_per_worker={CPU: 100}",
+                                  "++reward.placement=serve"])
+    with pytest.raises(ValueError, match=r"CPU: need 200\.25, cluster has 8"):  # its replica counted
         DiffusionTrainer(recipe).fit()
 
 

@@ -330,14 +330,14 @@ class RewardClient:
         """Run the reward app(s) and wait until ready; Serve is started (HTTP off unless ``http_port``)
         where one of them is a Serve app.
 
-        One app ``app_name`` for the shared sources (in this process where ``config.placement`` says so:
-        rule rewards by default), plus the Serve app ``<app_name>-<source>`` for every source with its own
+        One app ``app_name`` for the shared sources (in this process where ``config.placement`` says so,
+        rule rewards by default, unless ``http_port`` asks for a route), plus the Serve app ``<app_name>-<source>`` for every source with its own
         ``app`` placement. Raises TimeoutError when the replicas do not start within
         ``ready_timeout_s`` (usually: not enough free CPUs / GPUs for ``num_replicas`` x
         ``ray_actor_options``); apps already deployed by this call are deleted again.
         """
         cfg = RewardConfig.from_dict(config)
-        local = cfg.shared_runs_locally()
+        local = cfg.shared_runs_locally() and http_port is None  # an HTTP route is asked of a Serve app
         placements = cfg.placements()
         if any(suffix or not local for suffix, _ in placements):
             start_serve(http_port)

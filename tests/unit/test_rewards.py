@@ -294,3 +294,54 @@ def test_rule_rewards_run_in_the_clients_process_with_the_replicas_policy():
             strict.score_inputs(images, ["a", "b"])
     finally:
         strict.shutdown()
+
+
+def test_http_requests_the_reward_app_cannot_score_get_400_with_the_reason():
+    """The reward app's HTTP route: a count mismatch or a bad image gave a bare 500 and an empty body a 200
+    with nothing scored; each now gets 400 and a reason, and a ``data:`` URL image is read."""
+    import asyncio
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    from unirl_ray.rewards.service import RewardService
+
+    class Request:
+        def __init__(self, body):
+            self.body = body
+
+        async def json(self):
+            if isinstance(self.body, bytes):
+                return json.loads(self.body)
+            return self.body
+
+    png = io.BytesIO()
+    Image.fromarray(_flat(255, 8)).save(png, format="PNG")
+    b64 = base64.b64encode(png.getvalue()).decode()
+    service = RewardService.func_or_class({"rewards": {"bright": {"fn": "unirl_ray.rewards.image.brightness"}}})
+
+    def call(body):
+        return asyncio.run(service(Request(body)))
+
+    ok = call({"prompts": ["a", "b"], "images": [b64, f"data:image/png;base64,{b64}"]})
+    assert ok["errors"] == {} and ok["reward"] == [pytest.approx(1.0), pytest.approx(1.0)]
+    bad = {
+        b"{not json": "the body is not JSON",
+        b"[1, 2]": "the body is a JSON list, not an object",
+        b"{}": "'prompts' must be a non-empty list of strings, got None",
+        json.dumps({"prompts": []}).encode(): "'prompts' must be a non-empty list of strings, got \\[\\]",
+        json.dumps({"prompts": ["a"], "image": [b64]}).encode(): "unknown field\\(s\\) \\['image'\\]",
+        json.dumps({"prompts": ["a", "b"], "images": [b64]}).encode(): "got 1 images for 2 prompts",
+        json.dumps({"prompts": ["a"], "images": ["%%%"]}).encode(): "image 0 is not valid base64",
+        json.dumps({"prompts": ["a"], "images": [base64.b64encode(b"text").decode()]}).encode(): "image 0 is not a PNG/JPEG",
+        json.dumps({"prompts": ["a"], "images": ["data:image/png," + b64]}).encode(): "data URL without ';base64,'",
+        json.dumps({"prompts": ["a"], "columns": {"answer": [1, 2]}}).encode(): "column 'answer' must be a list with one value",
+    }
+    import re
+
+    for body, reason in bad.items():
+        response = call(body)
+        assert response.status_code == 400, body
+        assert re.search(reason, json.loads(response.body)["error"]), (body, response.body)

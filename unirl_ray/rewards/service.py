@@ -148,21 +148,90 @@ class RewardService:
     async def __call__(self, request: Any) -> dict[str, Any]:
         """HTTP: POST JSON ``{"prompts": [...], "images": [base64 PNG/JPEG, ...], "columns": {...}}``.
 
-        Text requests leave out ``images`` and send ``columns: {"completions": [...], ...}``.
+        Text requests leave out ``images`` and send ``columns: {"completions": [...], ...}``. An image
+        may also be a ``data:image/...;base64,`` URL. A malformed request is answered with status 400
+        and ``{"error": reason}`` (what is wrong and what a request looks like), never a bare 500.
         """
-        body = await request.json()
-        prompts = body.get("prompts", [])
-        images = [_decode_image(b) for b in body["images"]] if body.get("images") else [None] * len(prompts)
-        out = await self.score_detailed(images, prompts, body.get("columns"))
+        try:
+            images, prompts, columns = _parse_request(await _json_body(request))
+        except BadRequest as exc:
+            from starlette.responses import JSONResponse
+
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        out = await self.score_detailed(images, prompts, columns)
         if not out["errors"]:
             out["reward"] = combine(out["scores"], self._config.weights)
         return out
 
 
-def _decode_image(data: str) -> np.ndarray:
-    from PIL import Image
+class BadRequest(ValueError):
+    """An HTTP request the reward app cannot score; the message says why (sent back with status 400)."""
 
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+
+_REQUEST_SHAPE = ('a request is a JSON object {"prompts": [str, ...], "images": [base64 PNG/JPEG or data URL, '
+                  '...] (one per prompt; left out for text), "columns": {name: [value per prompt]}}')
+
+
+async def _json_body(request: Any) -> Any:
+    try:
+        return await request.json()
+    except Exception as exc:  # noqa: BLE001 - starlette raises JSONDecodeError or UnicodeDecodeError
+        raise BadRequest(f"the body is not JSON ({type(exc).__name__}: {exc}); {_REQUEST_SHAPE}") from None
+
+
+def _parse_request(body: Any) -> tuple[list[Any], list[str], dict[str, list[Any]] | None]:
+    """``(images, prompts, columns)`` of an HTTP request body; ``BadRequest`` naming what is wrong."""
+    if not isinstance(body, Mapping):
+        raise BadRequest(f"the body is a JSON {type(body).__name__}, not an object; {_REQUEST_SHAPE}")
+    unknown = sorted(set(body) - {"prompts", "images", "columns"})
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; {_REQUEST_SHAPE}")
+    prompts = body.get("prompts")
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest(f"'prompts' must be a non-empty list of strings, got {_short(prompts)}; {_REQUEST_SHAPE}")
+    raw = body.get("images")
+    if raw is None:
+        images: list[Any] = [None] * len(prompts)
+    elif not isinstance(raw, list) or len(raw) != len(prompts):
+        count = f"{len(raw)} images" if isinstance(raw, list) else f"'images' of type {type(raw).__name__}"
+        raise BadRequest(f"got {count} for {len(prompts)} prompts: send one image per prompt, or none for text")
+    else:
+        images = [_decode_image(data, i) for i, data in enumerate(raw)]
+    columns = body.get("columns")
+    if columns is not None:
+        if not isinstance(columns, Mapping):
+            raise BadRequest(f"'columns' must be an object of lists, got {_short(columns)}")
+        for name, values in columns.items():
+            if not isinstance(values, list) or len(values) != len(prompts):
+                raise BadRequest(f"column {name!r} must be a list with one value per prompt ({len(prompts)}), "
+                                 f"got {_short(values)}")
+    return images, prompts, columns
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _decode_image(data: Any, index: int = 0) -> np.ndarray:
+    """An RGB uint8 array from base64 PNG/JPEG bytes or a ``data:image/...;base64,`` URL."""
+    import binascii
+
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(data, str):
+        raise BadRequest(f"image {index} is a {type(data).__name__}, not a base64 string")
+    if data.startswith("data:"):
+        header, sep, data = data.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise BadRequest(f"image {index} is a data URL without ';base64,' ({_short(header)})")
+    try:
+        raw = base64.b64decode(data, validate=True)
+        return np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"image {index} is not valid base64 ({exc})") from None
+    except (UnidentifiedImageError, OSError) as exc:
+        raise BadRequest(f"image {index} is not a PNG/JPEG image PIL can read ({exc})") from None
 
 
 def build_reward_app(config: RewardConfig | Mapping[str, Any]) -> serve.Application:

@@ -1,13 +1,14 @@
 """Write the bytecode of what unirl_ray's processes import, by importing it once with bytecode writing on.
 
-Run by ``.ci/setup`` after an install: ``python .ci/compile_imports.py`` for the package and what it
-imports, ``python .ci/compile_imports.py --vllm`` for vLLM's engine (which must import: this also checks the
-install). Where ``PYTHONDONTWRITEBYTECODE`` is set (as on the project's machines) Python never caches bytecode, so every Ray worker and replica would compile
-again what it imports (seconds per process). Compiling every installed module at install time
-(``--compile-bytecode``) costs ~60 s on 2 cores for ~34,000 files of which a run imports ~6,000; importing
-the package's modules (and through them torch, Ray Train / Serve / Data, transformers, diffusers, peft,
-mlflow) writes exactly those in ~20 s. A module only some runs import is compiled by the first process
-that imports it where bytecode writing is on (the test suite turns it on: ``tests/conftest.py``).
+Run by ``.ci/setup`` after an install: ``python .ci/compile_imports.py`` for the package and what it imports,
+``python .ci/compile_imports.py --vllm`` for vLLM's engine (which must import: this also checks the install).
+Where ``PYTHONDONTWRITEBYTECODE`` is set (as on the project's machines) Python never caches bytecode, so every
+Ray worker and replica would compile again what it imports (seconds per process). Compiling every installed
+module at install time (``--compile-bytecode``) costs ~60 s on 2 cores for ~34,000 files of which a run
+imports ~6,000; importing the package's modules (and through them torch, Ray Train / Serve / Data,
+transformers, diffusers, peft, mlflow) writes exactly those in ~20 s. A module only some runs import is
+compiled by the first process that imports it where bytecode writing is on (the test suite turns it on:
+``tests/conftest.py``).
 """
 
 from __future__ import annotations

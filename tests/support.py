@@ -17,6 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 
 
+ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
+"""Overrides for one train worker with both CPUs (torch's threads follow the worker's CPUs): for runs that
+check no rank logic; one worker starts faster, and a trainside rollout on one CPU leaves the other idle."""
+
+
 def recipe_path(*parts: str) -> str:
     """A recipe file under ``recipes/``, e.g. ``recipe_path("ar", "tiny", "char_grpo_direct.yaml")``."""
     return str(RECIPES.joinpath(*parts))

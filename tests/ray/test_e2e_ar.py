@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import artifacts, drive, history, kill_engine_replica, logged, make, recipe_path
+from support import ONE_WORKER, artifacts, drive, history, kill_engine_replica, logged, make, recipe_path
 
 from unirl_ray.trainer.ar import ARTrainer
 
@@ -28,7 +28,6 @@ ENGINE_STEPS, KILL_AT, COLOCATED_STEPS = 14, 8, 4
 # Every run here has one train worker with both CPUs: what they check does not depend on the rank count
 # (two FSDP2 ranks are trained, killed and resumed in test_resume_exact.py, and export their weights to
 # a dedicated engine in test_vllm_engine.py), and a worker fewer starts faster.
-ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
 
 
 def engine_trainer(tmp_path, name, steps, *overrides):

@@ -10,16 +10,13 @@ import json
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import attempts, drive, fit, history, kill_rank, logged, make, recipe_path
+from support import ONE_WORKER, attempts, drive, fit, history, kill_rank, logged, make, recipe_path
 
 from unirl_ray.trainer.diffusion import DiffusionTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 RECIPE = recipe_path("diffusion", "sd3", "sd3_tiny_flowgrpo.yaml")
-# one train worker with both CPUs (torch's threads follow the worker's CPUs; a trainside rollout would leave
-# the second core idle)
-ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
 
 
 def run(tmp_path, run_name, *overrides):

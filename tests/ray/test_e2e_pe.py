@@ -19,7 +19,8 @@ import os
 
 import numpy as np
 import pytest
-from support import artifacts, attempts, copy_run, drive, fit, kill_rank, logged, make, recipe_path, sample_table
+from support import (ONE_WORKER, artifacts, attempts, copy_run, drive, fit, kill_rank, logged, make, recipe_path,
+                     sample_table)
 
 from unirl_ray.trainer.pe import PETrainer
 
@@ -116,8 +117,7 @@ def test_resume_continues_both_sides_exactly(straight):
 
 ENGINE = "{_target_: unirl_ray.rollout.DedicatedRollout, engine: hf, placement: %s, ray_actor_options: {num_cpus: 0.5}}"
 # The frozen-mode runs check the engines and what each side learns, not ranks (the straight run has two):
-# one train worker with both CPUs starts faster.
-ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
+# they run on ONE_WORKER.
 
 
 def engine_checks(trainer, side, per_step, colocated, last):

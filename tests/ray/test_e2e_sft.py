@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from omegaconf import OmegaConf
-from support import ROOT, attempts, copy_run, fit, kill_rank, load, logged, recipe_path
+from support import ONE_WORKER, ROOT, attempts, copy_run, fit, kill_rank, load, logged, recipe_path
 
 from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
@@ -23,9 +23,7 @@ from unirl_ray.trainer.sft import SFTTrainer
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 CHAT = str(ROOT / "unirl_ray" / "assets" / "data" / "sft_chat.jsonl")
-# the learning tests run one worker with both CPUs (a worker fewer starts faster); the kill / resume runs
-# keep two FSDP2 ranks reading their shards
-ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2")
+# the learning tests run on ONE_WORKER; the kill / resume runs keep two FSDP2 ranks reading their shards
 
 
 def recipe(tmp_path, name, run_name, *overrides):

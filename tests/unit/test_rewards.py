@@ -303,6 +303,7 @@ def test_http_requests_the_reward_app_cannot_score_get_400_with_the_reason():
     import base64
     import io
     import json
+    import re
 
     from PIL import Image
 
@@ -339,8 +340,6 @@ def test_http_requests_the_reward_app_cannot_score_get_400_with_the_reason():
         json.dumps({"prompts": ["a"], "images": ["data:image/png," + b64]}).encode(): "data URL without ';base64,'",
         json.dumps({"prompts": ["a"], "columns": {"answer": [1, 2]}}).encode(): "column 'answer' must be a list with one value",
     }
-    import re
-
     for body, reason in bad.items():
         response = call(body)
         assert response.status_code == 400, body

@@ -68,6 +68,11 @@ class RewardService:
         """The config this replica was built from (used by ``RewardClient.connect``)."""
         return self._config.to_dict()
 
+    def close(self) -> None:
+        """Stop the sources' threads (calls running past their deadline finish in the background)."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
     async def score(
         self, images: Any, prompts: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None
     ) -> dict[str, list[float | None]]:
@@ -322,16 +327,14 @@ class LocalRewardHandle:
         return _LocalResponse(future)
 
     def close(self) -> None:
-        """Stop the event loop and the sources' threads (calls still running past their deadline finish
-        in the background, as in a replica)."""
+        """Stop the event loop and the sources' threads (``RewardService.close``)."""
         if self._loop.is_closed():
             return
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
-        for pool in self._service._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._service.close()
 
 
 class _LocalMethod:
@@ -407,13 +410,13 @@ class RewardClient:
         """
         cfg = RewardConfig.from_dict(config)
         local = cfg.shared_runs_locally() and http_port is None  # an HTTP route is asked of a Serve app
-        placements = cfg.placements()
-        if any(suffix or not local for suffix, _ in placements):
+        placements = [(suffix, sub, local and not suffix) for suffix, sub in cfg.placements()]  # (.., here)
+        if not all(here for _, _, here in placements):
             start_serve(http_port)
         apps: list[RewardApp] = []
         try:
-            for suffix, sub in placements:
-                if local and not suffix:
+            for suffix, sub, here in placements:
+                if here:
                     apps.append(RewardApp(LocalRewardHandle(sub), sub, app_name + suffix, local=True))
                 else:
                     apps.append(_deploy_one(sub, app_name + suffix, http_port, ready_timeout_s))

@@ -125,11 +125,13 @@ def drive(trainer: Any, steps: int, check: Callable[[int, dict[str, Any]], None]
 
 
 def record_training(trainer: Any) -> list[tuple[int, int, list[tuple[str, int]]]]:
-    """Wrap ``trainer.train``: (call number, trainer weights version, [(sample_id, sample version)]) per call."""
+    """Wrap ``trainer.train``: (step, trainer weights version, [(sample_id, sample version)]) per call; a
+    step replayed after a worker-group restart is recorded again."""
     seen, original = [], trainer.train
 
     def train(samples, *, seed):
-        seen.append((len(seen) + 1, trainer.policy_version, [(s.sample_id, s.policy_version) for s in samples]))
+        seen.append((trainer.prompt_log[-1][0], trainer.policy_version,
+                     [(s.sample_id, s.policy_version) for s in samples]))
         return original(samples, seed=seed)
 
     trainer.train = train

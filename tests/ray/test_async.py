@@ -3,7 +3,10 @@ stream, tiny models built from config, a real MLflow store):
 
 - AR: every trained sample is within ``max_staleness`` (checked here independently of the trainer's
   own check), versions are monotone, every generated sample is trained exactly once, the staleness
-  histogram / cache / idle metrics reach MLflow, and the reward rises;
+  histogram / cache / idle metrics reach MLflow, and the reward rises; the same run has its train worker
+  SIGKILLed mid-step (Ray Train restarts the worker group from the last checkpoint, the controller drops
+  its rollout stream, whose batches were for steps that run again, republishes the checkpoint's weights
+  and streams again from its data cursor) and every one of those checks holds across the restart;
 - ``max_staleness=0`` reproduces the synchronous trainer's numbers on the same seed;
 - diffusion (SD3 Flow-GRPO, LoRA) through the same mechanism: the reward rises;
 - the partial-rollout policies on the real gate with a scripted engine: ``finish`` keeps the old
@@ -15,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 import support
-from support import history, record_training
+from support import history, kill_rank, logged, record_training
 
 from unirl_ray.trainer.ar import ARTrainer
 from unirl_ray.trainer.async_rl import AsyncARTrainer, AsyncDiffusionTrainer
@@ -31,34 +34,52 @@ def make(cls, recipe, tmp_path, name, *overrides, drop=()):
                         drop=drop)
 
 
-def test_async_ar_bounded_staleness_exact_accounting_and_learning(ray_local, tmp_path):
-    steps, max_staleness = 24, 2
+def test_async_ar_bounded_staleness_exact_accounting_learning_and_a_killed_worker(ray_local, tmp_path):
+    steps, max_staleness, checkpoint, kill_at = 24, 2, 12, 14
     trainer = make(AsyncARTrainer, AR_ASYNC, tmp_path, "async-ar", f"trainer.num_steps={steps}",
-                   f"async_rollout.max_staleness={max_staleness}", "trainer.checkpoint_every=100")
-    seen = record_training(trainer)
+                   f"async_rollout.max_staleness={max_staleness}", f"trainer.checkpoint_every={checkpoint}",
+                   "++ray.max_failures=1")
+    seen, killed = record_training(trainer), []
+    recorded = trainer.train
+
+    def train(samples, *, seed):  # the worker dies as step 14 starts training (cached batches for 15, 16)
+        if trainer.prompt_log[-1][0] == kill_at and not killed:
+            killed.append(kill_rank(trainer, 0))
+        return recorded(samples, seed=seed)
+
+    trainer.train = train
     trainer.fit()
 
-    assert [s for s, _, _ in seen] == list(range(1, steps + 1))
-    ids, last_max = [], -1
-    for step, weights, samples in seen:
-        assert weights == step - 1
-        versions = [v for _, v in samples]
-        assert all(0 <= weights - v <= max_staleness for v in versions), (step, weights, versions)
-        assert min(versions) >= last_max, (step, versions, last_max)  # monotone (one engine replica)
-        last_max = max(versions)
-        ids += [i for i, _ in samples]
+    assert killed and trainer.restarts == 1 and trainer.policy_version == steps
+    # steps 13 and 14 ran again after the rewind to the step-12 checkpoint, on its weights (v12)
+    assert [s for s, _, _ in seen] == list(range(1, kill_at + 1)) + list(range(checkpoint + 1, steps + 1))
+    assert logged(trainer, "fault/worker_group_restarts") == {checkpoint: 1.0}
+    before, after = seen[:kill_at], seen[kill_at:]
+    for stream in (before, after):  # one stream before the restart, a new one after it
+        last_max = -1
+        for step, weights, samples in stream:
+            assert weights == step - 1
+            versions = [v for _, v in samples]
+            assert all(0 <= weights - v <= max_staleness for v in versions), (step, weights, versions)
+            assert min(versions) >= last_max, (step, versions, last_max)  # monotone (one engine replica)
+            last_max = max(versions)
+    trained = [samples for step, _, samples in before if step <= checkpoint] + [samples for _, _, samples in after]
+    ids = [i for samples in trained for i, _ in samples]
     per_step = trainer.prompts_per_step * trainer.group_size
     assert len(ids) == len(set(ids)) == steps * per_step  # nothing trained twice, nothing missing
     assert set(ids) == {f"s{k}-{i}" for k in range(1, steps + 1) for i in range(per_step)}
-    assert history(trainer, "async/samples_generated")[-1] == history(trainer, "async/samples_trained")[-1] == len(ids)
-    hist = np.array([history(trainer, f"async/staleness/{v}") for v in range(max_staleness + 1)])
+    # the running totals count the stream of the restarted run: what it generated was trained, all of it
+    assert (history(trainer, "async/samples_generated")[-1] == history(trainer, "async/samples_trained")[-1]
+            == (steps - checkpoint) * per_step)
+    hist = np.array([[v for _, v in sorted(logged(trainer, f"async/staleness/{v}").items())]
+                     for v in range(max_staleness + 1)])
     assert hist.shape == (max_staleness + 1, steps) and (hist.sum(axis=0) == per_step).all()
     assert hist[1:].sum() > 0  # the slabs overlapped: some samples were generated by an older version
     for key in ("async/cache_depth", "async/train_idle_ratio", "async/rollout_idle_ratio", "perf/rollout_samples_per_s",
                 "perf/train_samples_per_s", "timing/weight_sync", "algo/is_weight", "algo/is_weight_max"):
-        assert len(history(trainer, key)) == steps, key
+        assert sorted(logged(trainer, key)) == list(range(1, steps + 1)), key
     assert max(history(trainer, "async/cache_depth")) <= max_staleness + 1
-    rewards = history(trainer, "reward/mean")
+    rewards = [v for _, v in sorted(logged(trainer, "reward/mean").items())]
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.05, rewards
 
 

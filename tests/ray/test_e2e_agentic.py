@@ -4,12 +4,18 @@ driven turn by turn by the RolloutManager (token in, token out), the calculator 
 at once, the answers scored by the reward Serve app, Ray Train workers (FSDP2) training every assistant
 turn, MLflow.
 
+The SFT run is also the SFT trainer's learning test (its loss falls, it evaluates on start and every 100
+steps, it logs every step, its export is the folder the agentic GRPO run starts from as it is): one chat-SFT
+fit fewer for the suite (``tests/ray/test_e2e_sft.py`` keeps the SFT kill, resume and image-caption runs).
+
 One straight run serves every assertion: the policy solves tasks through the tool; on every trajectory of
 every step the ids trained are the ids the engine sampled, token for token, and the loss masks are exact; the recorded
 log-probs equal the trainer's (no update between rollout and the first pass); a rank killed during step 5
 is replaced, and the run restored from its step-3 checkpoint (what a resumed run loads) replays steps 4
 and 5 exactly.
 """
+
+import os
 
 import pytest
 from support import artifacts, attempts, kill_rank, load, logged, recipe_path, sample_table
@@ -24,16 +30,26 @@ STEPS, KILL_AT = 6, 5
 ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=1")
 
 
+SFT_STEPS = 200
+
+
 @pytest.fixture(scope="module")
-def sft_export(ray_local, tmp_path_factory):
-    """The tiny LM after a short SFT on the tool-use transcripts (it calls the calculator, often wrongly)."""
+def sft(ray_local, tmp_path_factory):
+    """The SFT run: the tiny LM after a short SFT on the tool-use transcripts (it calls the calculator, often
+    wrongly), evaluated on the held-out transcripts on start and every 100 steps; (trainer, export folder)."""
     tmp = tmp_path_factory.mktemp("agentic-sft")
     export = tmp / "export"
-    recipe = load(recipe_path("sft", "tiny", "char_tool_sft.yaml"), tmp, "tool-sft", "trainer.num_steps=200",
-                  "trainer.eval_every=0", "trainer.checkpoint_every=200", "trainer.steps_per_call=100",
-                  f"+trainer.export_dir={export}", experiment="e2e-agentic")
-    SFTTrainer(recipe).fit()
-    return str(export)
+    recipe = load(recipe_path("sft", "tiny", "char_tool_sft.yaml"), tmp, "tool-sft", f"trainer.num_steps={SFT_STEPS}",
+                  "trainer.eval_every=100", "trainer.eval_on_start=true", f"trainer.checkpoint_every={SFT_STEPS}",
+                  "trainer.steps_per_call=100", f"+trainer.export_dir={export}", experiment="e2e-agentic")
+    trainer = SFTTrainer(recipe)
+    trainer.fit()
+    return trainer, str(export)
+
+
+@pytest.fixture(scope="module")
+def sft_export(sft):
+    return sft[1]
 
 
 def agentic(tmp, run_name, export, *overrides):
@@ -77,8 +93,24 @@ def straight(sft_export, tmp_path_factory):
     return trainer, seen, tmp
 
 
+def test_sft_learns_the_tool_transcripts_evaluates_and_exports(sft):
+    trainer, export = sft
+    loss = logged(trainer, "train/loss")
+    assert sorted(loss) == list(range(1, SFT_STEPS + 1))
+    first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in range(SFT_STEPS - 2, SFT_STEPS + 1)) / 3
+    assert last < 0.1 * first, loss  # seen: 4.4 -> 0.01
+    evals = logged(trainer, "eval/loss")
+    assert sorted(evals) == [0, 100, SFT_STEPS] and evals[SFT_STEPS] < evals[100] < evals[0], evals
+    for key in ("perf/tokens_per_s", "train/lr", "train/grad_norm", "data/skipped_total", "timing/train"):
+        assert len(logged(trainer, key)) == SFT_STEPS, key
+    assert sum(logged(trainer, "data/records").values()) == SFT_STEPS * 16  # trainer.batch_size records a step
+    # the export is a from_pretrained folder (the agentic run below starts from it as it is)
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(export)), os.listdir(export)
+
+
 def test_agentic_grpo_calls_the_calculator_and_trains_what_was_sampled(straight):
     trainer, seen, _ = straight
+    assert not trainer.is_demo()  # the SFT export, not the demo model
     reward = logged(trainer, "reward/mean")
     assert sorted(reward) == list(range(1, STEPS + 1))
     # the SFT policy solves tasks through the tool, end to end: over the first steps (one step's 32

@@ -164,8 +164,12 @@ def test_colocated_engine_takes_turns_and_matches_the_separate_layout(separate_e
     colocated = drive(trainer, COLOCATED_STEPS, check)
     _, separate = separate_engine_run
     for a, b in zip(colocated, separate[:COLOCATED_STEPS], strict=True):
-        for key in ("reward/mean", "train/loss", "train/grad_norm", "rollout/response_len_mean"):
+        for key in ("reward/mean", "rollout/response_len_mean"):  # the same samples, the same rewards
             assert a[key] == b[key], (key, a[key], b[key])
+        # the same update, up to the last bits of a float sum: on a step whose advantages sum to zero the
+        # loss came out -7.45e-09 in one layout and 0.0 in the other on one run (two processes, two threads)
+        for key in ("train/loss", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
 
 
 def test_a_failed_worker_start_leaves_no_serve_app(ray_local, tmp_path):

@@ -1,10 +1,11 @@
 """End to end on CPU for the SFT trainer: Ray Train workers (FSDP2; 2 ranks over gloo for the resume
-and kill runs) reading their shards of a Ray Data dataset, MLflow, checkpoints and export. The tiny LM
-learns the shipped chat records and its export starts a GRPO run; a resumed run continues with exactly
-the records an uninterrupted one trains on (packing and bad records included), and a worker killed
-mid-call replays the lost steps on the same records (one straight run, with that kill, serves both: the
-resume is of a copy of its storage taken after step 3, with two steps per call instead of one); the tiny
-SD3 learns image-caption pairs."""
+and kill runs) reading their shards of a Ray Data dataset, MLflow, checkpoints and export. A resumed run
+continues with exactly the records an uninterrupted one trains on (packing and bad records included), and
+a worker killed mid-call replays the lost steps on the same records (one straight run, with that kill,
+serves both: the resume is of a copy of its storage taken after step 3, with two steps per call instead
+of one); the tiny SD3 learns image-caption pairs. That the tiny LM learns chat records (its loss falls,
+periodic evaluation, per-step metrics, an export a GRPO run starts from) is asserted on the SFT run that
+starts the agentic trainer: ``tests/ray/test_e2e_agentic.py``."""
 
 import json
 import os
@@ -12,12 +13,11 @@ import os
 import pytest
 import torch
 from omegaconf import OmegaConf
-from support import ONE_WORKER, ROOT, attempts, copy_run, fit, kill_rank, load, logged, recipe_path
+from support import ONE_WORKER, ROOT, attempts, copy_run, kill_rank, load, logged, recipe_path
 
 from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
-from unirl_ray.trainer.ar import ARTrainer
 from unirl_ray.trainer.sft import SFTTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -54,33 +54,6 @@ def test_record_sources_read_jsonl_and_parquet_and_hold_out_a_fraction(ray_local
     rows = parquet.datasets()["train"].take_all()
     assert sorted(r["prompt"] for r in rows) == ["p00", "p01", "p02", "p10", "p11", "p12"]
     assert all(parse_record(r, json_line=False)["completion"] == "c" + r["prompt"][1:] for r in rows)
-
-
-def test_chat_sft_learns_then_grpo_starts_from_its_export(ray_local, tmp_path):
-    export = tmp_path / "export"
-    sft = SFTTrainer(recipe(tmp_path, "char_chat_sft.yaml", "chat", "trainer.num_steps=30", "trainer.eval_every=15",
-                            "trainer.eval_on_start=true", "trainer.checkpoint_every=30", f"+trainer.export_dir={export}",
-                            *ONE_WORKER))
-    sft.fit()
-    loss = logged(sft, "train/loss")
-    assert sorted(loss) == list(range(1, 31))
-    first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (28, 29, 30)) / 3
-    assert last < 0.6 * first, loss
-    evals = logged(sft, "eval/loss")
-    assert sorted(evals) == [0, 15, 30] and evals[30] < evals[0]
-    for key in ("perf/tokens_per_s", "train/lr", "train/grad_norm", "data/skipped_total", "timing/train"):
-        assert len(logged(sft, key)) == 30, key
-    assert sum(logged(sft, "data/records").values()) == 30 * 16
-
-    # the export is a from_pretrained folder that the AR GRPO recipe starts from as it is
-    grpo = fit(ARTrainer, recipe_path("ar", "tiny", "char_grpo_direct.yaml"), tmp_path, "grpo", "trainer.num_steps=2",
-               "trainer.checkpoint_every=2", "tracking.log_samples_every=0", f"bundle.config.pretrained_model_path={export}",
-               *ONE_WORKER, experiment="e2e-sft")
-    assert not grpo.is_demo()
-    rewards = logged(grpo, "reward/mean")
-    assert sorted(rewards) == [1, 2]
-    # the SFT answers are full of "a" (a third of their characters): the untrained demo model scores ~0.01
-    assert rewards[1] > 0.15, rewards
 
 
 BAD_LINES = [

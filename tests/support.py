@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +35,9 @@ def load(recipe: str, storage: Any, run_name: str, *overrides: str, experiment: 
                                 f"tracking.experiment_name={experiment}", *overrides])
 
 
-def make(cls: type, recipe: str, storage: Any, run_name: str, *overrides: str, experiment: str = "tests",
-         drop: Sequence[str] = ()) -> Any:
-    """A trainer of class ``cls`` over :func:`load`'s recipe, without the top-level sections ``drop``."""
-    cfg = load(recipe, storage, run_name, *overrides, experiment=experiment)
-    for section in drop:
-        del cfg[section]
-    return cls(cfg)
+def make(cls: type, recipe: str, storage: Any, run_name: str, *overrides: str, experiment: str = "tests") -> Any:
+    """A trainer of class ``cls`` over :func:`load`'s recipe."""
+    return cls(load(recipe, storage, run_name, *overrides, experiment=experiment))
 
 
 def fit(cls: type, recipe: str, storage: Any, run_name: str, *overrides: str, **kwargs: Any) -> Any:

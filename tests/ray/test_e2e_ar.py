@@ -7,7 +7,9 @@ loads the latest version, generates, sleeps -> onload). On a CPU machine host an
 memory, so "freed" means what the mechanism does on a GPU: every device storage of the train state
 (parameters, gradients, AdamW moments) and of the engine's weights is released (resized to 0) while
 the other side runs; the bytes are checked. Its run must match the separate layout's numbers exactly
-(same seeds, same weights, same samples): the separate run is the one the replica-kill test drives.
+(same seeds, same weights, same samples): the separate run is the one the replica-kill test drives. The
+async trainer at ``max_staleness=0`` on the same recipe must match that run too (``tests/ray/test_async.py``
+has the async runs that overlap).
 """
 
 import os
@@ -162,14 +164,35 @@ def test_colocated_engine_takes_turns_and_matches_the_separate_layout(separate_e
         assert metrics["rollout/version_lag_max"] == 0
 
     colocated = drive(trainer, COLOCATED_STEPS, check)
-    _, separate = separate_engine_run
-    for a, b in zip(colocated, separate[:COLOCATED_STEPS], strict=True):
+    assert_same_steps(colocated, separate_engine_run[1][:COLOCATED_STEPS])
+
+
+def assert_same_steps(got, want):
+    """Two runs' per-step metrics: the same samples and rewards, the same updates."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
         for key in ("reward/mean", "rollout/response_len_mean"):  # the same samples, the same rewards
             assert a[key] == b[key], (key, a[key], b[key])
         # the same update, up to the last bits of a float sum: on a step whose advantages sum to zero the
         # loss came out -7.45e-09 in one layout and 0.0 in the other on one run (two processes, two threads)
-        for key in ("train/loss", "train/grad_norm"):
+        for key in ("train/loss", "train/grad_norm", "rollout/logp_gap"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
+
+
+def test_async_trainer_at_max_staleness_zero_reproduces_the_synchronous_run(separate_engine_run, tmp_path):
+    """The async trainer (rollout stream, cache and version gate) with ``max_staleness=0`` on the separate
+    run's recipe and seed: every sample is of the trained version, and the steps are the synchronous ones."""
+    from unirl_ray.trainer.async_rl import AsyncARTrainer
+
+    steps = 3
+    zero = make(AsyncARTrainer, ENGINE, tmp_path, "async-zero", f"trainer.num_steps={steps}",
+                "trainer.checkpoint_every=100", TIED, *ONE_WORKER, "tracking.log_samples_every=0",
+                "+async_rollout={_target_: unirl_ray.trainer.async_rl.AsyncConfig, max_staleness: 0}", experiment="e2e-ar")
+    zero.fit()
+    assert history(zero, "async/staleness_max") == [0.0] * steps
+    keys = ("reward/mean", "rollout/response_len_mean", "train/loss", "train/grad_norm", "rollout/logp_gap")
+    logged_steps = [dict(zip(keys, values)) for values in zip(*(history(zero, k) for k in keys), strict=True)]
+    assert_same_steps(logged_steps, separate_engine_run[1][:steps])
 
 
 def test_a_failed_worker_start_leaves_no_serve_app(ray_local, tmp_path):

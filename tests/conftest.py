@@ -2,8 +2,9 @@
 
 Markers (declared in pyproject.toml): ``e2e`` is set by the modules that run whole jobs (trainers on Ray
 Train + Serve + Data + MLflow, ``ray job submit``, the notebook); ``ray`` is added here to every test that
-starts Ray (it uses ``ray_local``, or lives in an ``e2e`` module); ``gpu`` by the tests that need CUDA. The
-fast lane is ``pytest -m "not e2e"``.
+starts Ray (it uses ``ray_local``, or lives in an ``e2e`` module), and ``own_ray`` to those of them that
+start a Ray of their own instead of using ``ray_local`` (so they can run beside the tests on the shared
+one: ``.ci/test``); ``gpu`` by the tests that need CUDA. The fast lane is ``pytest -m "not e2e"``.
 
 ``ray_local`` (module-scoped): a local Ray for the test module, 8 logical CPUs on however many cores
 the machine has (so fractional Serve / Data / Train requests schedule on 2-core machines), no
@@ -48,6 +49,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module in uses_ray_local or item.get_closest_marker("e2e") is not None:
             item.add_marker(pytest.mark.ray)
+            if item.module not in uses_ray_local:
+                item.add_marker(pytest.mark.own_ray)
 
     def group(item) -> int:
         if item.module in uses_ray_local:

@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from unirl_ray.runtime.cluster import EMBEDDED_RAY_ENV
+
 for key, value in {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -27,11 +29,8 @@ for key, value in {
     "RAY_USAGE_STATS_ENABLED": "0",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60",
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-    # one local node that is never drained or scraped: no preemption-watcher actor per Ray Train run,
-    # no Prometheus metrics of the Train controller and workers
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-    "RAY_TRAIN_METRICS_ENABLED": "0",
+    # ray_local's Ray runs as the embedded one of `ensure_ray` does (imported without importing Ray)
+    **EMBEDDED_RAY_ENV,
 }.items():
     os.environ.setdefault(key, value)
 

@@ -90,6 +90,20 @@ def runtime_env_vars() -> dict[str, str]:
     return env
 
 
+EMBEDDED_RAY_ENV = {
+    # one node that is never drained and has no dashboard to scrape it: no preemption-watcher actor per
+    # Ray Train run and no Prometheus metrics of the Train controller and workers (seconds of CPU at start)
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    # the Train controller advances its run (workers started, a checkpoint committed, the run ended) once per
+    # poll of its workers, every 2 s by default: a one-worker run on 2 cores took 8.3 s instead of 10.2 s
+    # (median of 6 warm fits, 2026-12-06), the cost a few small RPCs a second
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+}
+"""What an embedded Ray (``ensure_ray`` without an address) runs with, unless the environment says otherwise;
+the processes of the Ray it starts inherit it."""
+
+
 def ensure_ray(cfg: RayConfig) -> str:
     """Connect to the configured cluster or start an embedded one; returns a description."""
     import ray
@@ -104,10 +118,8 @@ def ensure_ray(cfg: RayConfig) -> str:
         ray.init(address=address, log_to_driver=True)
         return f"Ray cluster at {address}"
     num_cpus = cfg.local_num_cpus or max(8, os.cpu_count() or 1)
-    # one node that is never drained and has no dashboard to scrape it: no preemption-watcher actor per
-    # Ray Train run and no Prometheus metrics of the Train controller and workers (seconds of CPU at start)
-    for key in ("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_TRAIN_METRICS_ENABLED"):
-        os.environ.setdefault(key, "0")
+    for key, value in EMBEDDED_RAY_ENV.items():
+        os.environ.setdefault(key, value)
     env = {"env_vars": runtime_env_vars()}
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     return f"embedded local Ray ({num_cpus} logical CPUs)"

@@ -96,9 +96,9 @@ EMBEDDED_RAY_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",
     # the Train controller advances its run (workers started, a checkpoint committed, the run ended) once per
-    # poll of its workers, every 2 s by default: a one-worker run on 2 cores took 8.3 s instead of 10.2 s
-    # (median of 6 warm fits, 2026-12-06), the cost a few small RPCs a second
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    # poll of its workers, every 2 s by default: a two-step one-worker fit on a warm Ray, 2 cores, took 8.3 s
+    # at 0.5 s against 11.3 s at 2 s (0.1 s: 8.8 s; medians of 6, bench/warm_fit.py, 2026-12-06)
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
 }
 """What an embedded Ray (``ensure_ray`` without an address) runs with, unless the environment says otherwise;
 the processes of the Ray it starts inherit it."""

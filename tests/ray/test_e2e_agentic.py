@@ -26,11 +26,8 @@ from unirl_ray.trainer.sft import SFTTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
-STEPS, KILL_AT = 6, 5
+STEPS, KILL_AT, SFT_STEPS = 6, 5, 200
 ONE_WORKER = ("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=1")
-
-
-SFT_STEPS = 200
 
 
 @pytest.fixture(scope="module")

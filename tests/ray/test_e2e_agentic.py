@@ -44,11 +44,6 @@ def sft(ray_local, tmp_path_factory):
     return trainer, str(export)
 
 
-@pytest.fixture(scope="module")
-def sft_export(sft):
-    return sft[1]
-
-
 def agentic(tmp, run_name, export, *overrides):
     return AgenticTrainer(load(recipe_path("agentic", "tiny", "calculator_grpo.yaml"), tmp, run_name,
                                f"bundle.config.pretrained_model_path={export}", "tracking.log_samples_every=3",
@@ -56,11 +51,11 @@ def agentic(tmp, run_name, export, *overrides):
 
 
 @pytest.fixture(scope="module")
-def straight(sft_export, tmp_path_factory):
+def straight(sft, tmp_path_factory):
     """Six steps with a checkpoint every three; rank 0 is killed as step 5 starts training. Every trajectory
     of every step is checked as it goes to the ranks."""
     tmp = tmp_path_factory.mktemp("agentic-run")
-    trainer = agentic(tmp, "calc", sft_export, f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=3",
+    trainer = agentic(tmp, "calc", sft[1], f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=3",
                       "++ray.max_failures=1", "trainer.eval_every=3", "trainer.eval_num_prompts=8")
     seen = {"rows": 0, "steps": [], "killed": False}
     learn, train = trainer.learn, trainer.train

@@ -208,3 +208,12 @@ class Prompts:
                 for i in range(n)]
         self.offset += n
         return rows
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -53,8 +53,8 @@ AREAS: tuple[tuple[str, str, str], ...] = (
 )
 """(title, package, what it holds) in the order the reference shows them."""
 
-NOT_COMPONENTS = ("unirl_ray.core", "unirl_ray.config", "unirl_ray.tools")
-"""Packages that hold no recipe components (data records, the recipe loader, this tool)."""
+NOT_COMPONENTS = ("unirl_ray.core", "unirl_ray.config", "unirl_ray.serve", "unirl_ray.tools")
+"""Packages that hold no recipe components (data records, the recipe loader, the policy server, this tool)."""
 
 MODULE_ORDER: tuple[str, ...] = (
     "unirl_ray.train.configs",

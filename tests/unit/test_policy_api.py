@@ -1,0 +1,185 @@
+"""The OpenAI-compatible policy API (``unirl_ray.serve.openai_api``) over uvicorn on loopback, spoken to with the
+official ``openai`` client: what it serves is what the model generates, streaming gives the same text token by
+token, stop strings cut where they begin, and every bad request gets its status and reason. No Ray here; the
+Serve deployment and the one-command server are tested end to end in ``tests/ray/test_policy_serve.py``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+import torch
+
+import support
+from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
+from unirl_ray.serve import resolve_model_source
+from unirl_ray.serve.openai_api import TextPolicy, create_app
+from unirl_ray.train.export import INFO_FILE
+
+KEY = "test-key"
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy") / "tiny-policy"
+    CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(seed=4))).save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    import uvicorn
+
+    policy = TextPolicy(folder)
+    port = support.free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(policy, api_key=KEY), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield policy, client, port
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+def direct(policy: TextPolicy, prompt_ids: list[int], n: int) -> str:
+    """The greedy continuation computed here, with the model's own ``generate``."""
+    with torch.no_grad():
+        out = policy.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                                    pad_token_id=policy.tokenizer.pad_token_id, eos_token_id=policy.tokenizer.eos_token_id)
+    return policy.tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+
+
+def test_serves_what_the_model_generates_streams_it_and_cuts_at_stop_strings(server):
+    policy, client, _ = server
+    assert [m.id for m in client.models.list().data] == ["tiny-policy"]  # the folder's name
+
+    # greedy: exactly the model's own continuation, chat and plain completions
+    ids = policy.chat_prompt_ids(CHAT)
+    assert ids == policy.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)["input_ids"]
+    want = direct(policy, ids, 12)
+    chat = client.chat.completions.create(model="tiny-policy", messages=CHAT, max_tokens=12, temperature=0)
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == want
+    assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == 12
+    assert chat.usage.total_tokens == len(ids) + 12 and choice.finish_reason == "length"
+    text = client.completions.create(model="tiny-policy", prompt="abc", max_tokens=9, temperature=0)
+    assert text.choices[0].text == direct(policy, policy.text_prompt_ids("abc"), 9)
+    assert text.usage.completion_tokens == 9 and text.choices[0].finish_reason == "length"
+
+    # sampled: a seed reproduces, n gives n choices, streaming gives the same text piece by piece
+    def sampled(seed, **kw):
+        return client.chat.completions.create(model="tiny-policy", messages=CHAT, max_tokens=10, seed=seed,
+                                              temperature=1.0, **kw)
+
+    a, b, c = sampled(7), sampled(7), sampled(8)
+    assert a.choices[0].message.content == b.choices[0].message.content != c.choices[0].message.content
+    assert len(sampled(7, n=3).choices) == 3
+    chunks = list(sampled(7, stream=True))
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(pieces) >= 5 and "".join(pieces) == a.choices[0].message.content  # token by token, same text
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    streamed = client.completions.create(model="tiny-policy", prompt="abc", max_tokens=9, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == text.choices[0].text
+
+    # stop strings: the text ends where the first one begins, finish_reason "stop", streaming too
+    stop = want[4:6]
+    cut = want[: want.find(stop)]
+    stopped = client.chat.completions.create(model="tiny-policy", messages=CHAT, max_tokens=12, temperature=0,
+                                             stop=[stop, "never-there"])
+    assert stopped.choices[0].message.content == cut and stopped.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="tiny-policy", messages=CHAT, max_tokens=12, temperature=0,
+                                                 stop=stop, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "change, status, says",
+    [
+        ({"temperature": -1}, 400, "temperature"),
+        ({"max_tokens": 10_000}, 400, "context length (256)"),
+        ({"n": 2, "stream": True}, 400, "n=1"),
+        ({"messages": []}, 400, "messages"),
+        ({"stop": [""]}, 400, "stop strings"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+         "image_url"),
+        ({"model": "gpt-x"}, 404, "'gpt-x' does not exist here; this server has 'tiny-policy'"),
+    ],
+)
+def test_a_bad_request_gets_its_status_and_the_reason(server, change, status, says):
+    _, client, _ = server
+    request = {"model": "tiny-policy", "messages": CHAT, "max_tokens": 4, **change}
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(**request)
+    assert err.value.status_code == status and says in err.value.message
+    assert err.value.body["type"] in ("invalid_request_error",)  # OpenAI's error shape
+
+
+def test_the_api_key_is_required_when_set(server):
+    _, _, port = server
+    for key in ("wrong", ""):
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key or "x", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            other.models.list()
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as err:  # no Authorization header at all
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30)
+    assert err.value.code == 401 and json.loads(err.value.read())["error"]["code"] == "invalid_api_key"
+
+
+def test_sources_an_mlflow_registered_version_and_refuses_what_it_cannot_serve(folder, tmp_path):
+    from mlflow import MlflowClient
+
+    from unirl_ray.train.export import ExportInfo, register_exported_model
+
+    export = tmp_path / "export"
+    CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(seed=4))).save_pretrained(str(export))
+    info = ExportInfo(path=str(export), model_path=str(export), adapter_path=None, bundle="CausalLMBundle",
+                      trainable_attr="model", lora=False, merged_lora=False, policy_version=3)
+    (export / INFO_FILE).write_text(json.dumps(info.to_json()))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("serve"))
+    version = register_exported_model(str(export), name="tiny-policy", tracking_uri=uri, run_id=run.info.run_id)
+    local = resolve_model_source(f"models:/tiny-policy/{version.version}", tracking_uri=uri,
+                                 dst_path=str(tmp_path / "download"))
+    served = TextPolicy(local, name="tiny-policy")
+    assert served.policy_version == 3
+    same = TextPolicy(folder)
+    for a, b in zip(served.model.state_dict().values(), same.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_source(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="could not download 'models:/nope/1'"):
+        resolve_model_source("models:/nope/1", tracking_uri=uri)
+    (export / INFO_FILE).write_text(json.dumps({**info.to_json(), "bundle": "SD3Bundle"}))
+    with pytest.raises(ValueError, match="holds a SD3Bundle export; the text policy app serves causal LMs"):
+        TextPolicy(str(export))
+
+
+def test_the_deploy_file_builds_the_serve_app():
+    import yaml
+    from ray.serve import Application
+
+    from serve_apps.policy_app import app_builder
+
+    with open("serve_apps/policy.yaml") as f:
+        config = yaml.safe_load(f)
+    assert config["http_options"]["host"] == "127.0.0.1"
+    (app,) = config["applications"]
+    assert app["import_path"] == "serve_apps.policy_app:app_builder"
+    assert isinstance(app_builder({"source": "/some/folder", "num_replicas": "2"}), Application)
+    with pytest.raises(ValueError, match="needs a 'source'"):
+        app_builder({})

@@ -1,0 +1,73 @@
+"""``python -m unirl_ray.serve SOURCE``: serve a trained causal LM with OpenAI's routes on Ray Serve.
+
+SOURCE is an exported folder (``trainer.export_dir``), a Hugging Face model folder, or an MLflow URI
+(``models:/<name>/<version>``, ``runs:/<run_id>/<path>``). It starts an embedded Ray (or joins ``--address`` /
+``RAY_ADDRESS``), binds Serve's HTTP proxy to ``--host`` (127.0.0.1 by default) and blocks until Ctrl-C or
+SIGTERM, then deletes the app. Then, e.g.::
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.chat.completions.create(model="<name>", messages=[{"role": "user", "content": "hi"}])
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m unirl_ray.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="exported folder, Hugging Face model folder, or models:/<name>/<version>")
+    parser.add_argument("--name", help="the model's name in the API (default: the folder's or registered model's)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("UNIRL_SERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: env UNIRL_SERVE_API_KEY; none: open)")
+    parser.add_argument("--num-replicas", type=int, default=1)
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
+    parser.add_argument("--torch-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--tracking-uri", default=None, help="MLflow store of a models:/ or runs:/ source")
+    parser.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else embedded)")
+    parser.add_argument("--app-name", default="policy")
+    args = parser.parse_args(argv)
+
+    from unirl_ray.serve import resolve_model_source
+
+    is_uri = args.source.startswith(("models:/", "runs:/")) or "://" in args.source
+    source = args.source if is_uri else resolve_model_source(args.source)  # a missing folder fails before Ray starts
+    if not is_uri and not os.path.isfile(os.path.join(source, "unirl_export.json")) and \
+            not os.path.isfile(os.path.join(source, "config.json")):
+        parser.error(f"{source} is neither an exported folder (unirl_export.json) nor a Hugging Face model folder "
+                     "(config.json)")
+
+    from ray import serve
+
+    from unirl_ray.runtime.cluster import RayConfig, ensure_ray
+    from unirl_ray.serve.deployment import build_policy_app
+
+    where = ensure_ray(RayConfig(address=args.address))
+    serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+    app = build_policy_app(source, name=args.name, api_key=args.api_key, num_replicas=args.num_replicas,
+                           ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+                           torch_dtype=args.torch_dtype, tracking_uri=args.tracking_uri)
+    serve.run(app, name=args.app_name, route_prefix="/")
+    url = f"http://{args.host}:{args.port}/v1"
+    print(f"serving {args.source} on {where}: OpenAI API at {url} (GET {url}/models lists the model name); "
+          "Ctrl-C stops it", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.delete(args.app_name)
+    print("stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""An OpenAI-compatible HTTP API over a trained causal LM (Hugging Face ``generate``), as a FastAPI app.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true``
+as server-sent events ending in ``data: [DONE]``). The official ``openai`` client talks to it unchanged. Errors
+use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request the model cannot
+serve (a bad field, a prompt longer than the model's context, streaming with ``n > 1``), 401 for a missing or
+wrong API key (when the app has one), 404 for another model's name.
+
+This module needs no Ray: ``create_app(policy)`` is a plain FastAPI app (run it with uvicorn, or test it with
+the ``openai`` client); ``unirl_ray.serve.deployment`` puts it behind Ray Serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+"""Most choices one request may ask for (``n``)."""
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# ------------------------------------------------------------------------------------------------ policy
+@dataclass(frozen=True)
+class Choice:
+    """One generated continuation."""
+
+    text: str
+    finish_reason: Literal["stop", "length"]
+    completion_tokens: int
+
+
+class TextPolicy:
+    """A causal LM folder loaded for generation: an export of this project (``unirl_export.json``: LoRA adapters
+    kept apart are merged on load) or any Hugging Face ``*ForCausalLM`` folder with its tokenizer.
+
+    ``generate`` / ``stream`` run one request at a time (a lock: the model and torch's global RNG, which ``seed``
+    sets, are shared by the threads of a server).
+    """
+
+    def __init__(self, folder: str, *, name: str | None = None, torch_dtype: str = "float32") -> None:
+        from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig
+        from unirl_ray.train.export import ExportInfo, is_previous_export
+
+        folder = os.path.abspath(os.path.expanduser(folder))
+        if not os.path.isdir(folder):
+            raise ValueError(f"model folder {folder!r} does not exist (pass an exported folder, a Hugging Face model "
+                             "folder, or an MLflow URI such as models:/<name>/<version>)")
+        info = ExportInfo.read(folder) if is_previous_export(folder) else None
+        if info is not None and info.bundle != "CausalLMBundle":
+            raise ValueError(f"{folder!r} holds a {info.bundle} export; the text policy app serves causal LMs "
+                             "(CausalLMBundle exports and Hugging Face *ForCausalLM folders)")
+        model_path = info.model_path if info is not None else folder
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise ValueError(f"{model_path!r} has no config.json: not a Hugging Face model folder")
+        bundle = CausalLMBundle.from_config(CausalLMConfig(pretrained_model_path=model_path, torch_dtype=torch_dtype))
+        model = bundle.model
+        if info is not None and info.adapter_path is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, info.adapter_path).merge_and_unload()
+        self.model = model.eval()
+        self.tokenizer = bundle.tokenizer
+        self.name = name or os.path.basename(folder.rstrip(os.sep))
+        self.folder = folder
+        self.policy_version = info.policy_version if info is not None else None
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
+        self.created = int(time.time())
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------------------------- prompts
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model {self.name!r} has no chat template: use /v1/completions", param="messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def text_prompt_ids(self, prompt: str) -> list[int]:
+        return [int(t) for t in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if self.context_length is not None and len(prompt_ids) + max_tokens > self.context_length:
+            raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                f"model's context length ({self.context_length}); shorten the prompt or lower "
+                                "max_tokens", param="max_tokens", code="context_length_exceeded")
+
+    # ---------------------------------------------------------------------------- generation
+    def _generate_kwargs(self, max_tokens: int, temperature: float, top_p: float, stop: list[str]) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "pad_token_id": self.tokenizer.pad_token_id,
+                                  "eos_token_id": self.tokenizer.eos_token_id}
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if stop:
+            kwargs.update(stop_strings=stop, tokenizer=self.tokenizer)
+        return kwargs
+
+    def _finish(self, new_ids: list[int], max_tokens: int, stop: list[str]) -> Choice:
+        eos = self.tokenizer.eos_token_id
+        ended = bool(new_ids) and new_ids[-1] == eos
+        text = self.tokenizer.decode(new_ids[:-1] if ended else new_ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return Choice(text[:cut], "stop", len(new_ids))
+        return Choice(text, "stop" if ended or len(new_ids) < max_tokens else "length", len(new_ids))
+
+    def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 n: int = 1, stop: list[str] | None = None, seed: int | None = None) -> list[Choice]:
+        """``n`` continuations of ``prompt_ids`` (sampled at ``temperature`` > 0, greedy at 0)."""
+        import torch
+
+        stop = list(stop or [])
+        self.check_length(prompt_ids, max_tokens)
+        kwargs = self._generate_kwargs(max_tokens, temperature, top_p, stop)
+        inputs = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
+        choices = []
+        with self._lock, torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            for _ in range(n):
+                out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+                choices.append(self._finish(out[0, len(prompt_ids):].tolist(), max_tokens, stop))
+        return choices
+
+    def stream(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+               stop: list[str] | None = None, seed: int | None = None) -> Iterator[str | Choice]:
+        """The text of one continuation as it is generated (pieces), then its ``Choice`` (the whole text)."""
+        import torch
+
+        stop = list(stop or [])
+        self.check_length(prompt_ids, max_tokens)
+        kwargs = self._generate_kwargs(max_tokens, temperature, top_p, stop)
+        inputs = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
+        streamer = _TokenStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                with torch.no_grad():
+                    if seed is not None:
+                        torch.manual_seed(seed)
+                    out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), streamer=streamer,
+                                              **kwargs)
+                result["ids"] = out[0, len(prompt_ids):].tolist()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                result["error"] = exc
+                streamer.end()
+
+        with self._lock:
+            thread = threading.Thread(target=run, name="policy-generate", daemon=True)
+            thread.start()
+            sent = ""  # text handed out so far; a piece that may begin a stop string waits for the next one
+            pending = ""
+            for piece in streamer:
+                pending += piece
+                hold = max((len(s) - 1 for s in stop), default=0)
+                hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    pending = pending[:hit]
+                    break
+                ready = pending[:len(pending) - hold] if hold else pending
+                if ready:
+                    sent += ready
+                    pending = pending[len(ready):]
+                    yield ready
+            thread.join()
+            if "error" in result:
+                raise result["error"]
+        choice = self._finish(result["ids"], max_tokens, stop)
+        rest = choice.text[len(sent):] if choice.text.startswith(sent) else ""
+        if rest:
+            yield rest
+        yield choice
+
+
+def _token_streamer_class() -> type:
+    from transformers import TextIteratorStreamer
+
+    class TokenStreamer(TextIteratorStreamer):
+        """Hands out the text of every new token at once (transformers' streamers wait for a space), except a
+        trailing incomplete character (a multi-byte one split across tokens), which waits for its next token."""
+
+        def put(self, value) -> None:
+            if len(value.shape) > 1:
+                value = value[0]
+            if self.skip_prompt and self.next_tokens_are_prompt:
+                self.next_tokens_are_prompt = False
+                return
+            self.token_cache.extend(value.tolist())
+            text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+            if not text.endswith("\ufffd") and len(text) > self.print_len:
+                self.on_finalized_text(text[self.print_len:])
+                self.print_len = len(text)
+
+    return TokenStreamer
+
+
+def _TokenStreamer(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - built on first use (transformers is heavy)
+    return _token_streamer_class()(*args, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------- requests
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # fields of OpenAI's API that this server does not use
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return stops
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(400, f"content parts of type {part.get('type')!r} are not supported by a text model",
+                               param="messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# ------------------------------------------------------------------------------------------------ app
+_PROCESS: dict[str, Any] = {}
+"""The policy (``"policy"``) and API key (``"api_key"``) of this process, for an app without its own: a Serve
+replica (``unirl_ray.serve.deployment``) sets them. Serve runs a copy of the ingress app, so the handlers below
+are module-level functions (pickled by reference) that look the policy up here or in ``request.app.state``."""
+
+
+def _get(request: Request, key: str) -> Any:
+    return getattr(request.app.state, key, None) if hasattr(request.app.state, key) else _PROCESS.get(key)
+
+
+def _policy(request: Request) -> TextPolicy:
+    policy = _get(request, "policy")
+    if policy is None:
+        raise APIError(503, "the model is not loaded yet", kind="server_error")
+    return policy
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
+    return APIError(400, message, param=where or None).response()
+
+
+async def _auth(request: Request, call_next):
+    api_key = _get(request, "api_key")
+    if api_key is not None:
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), str(api_key).encode()):
+            return APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                            kind="authentication_error", code="invalid_api_key").response()
+    return await call_next(request)
+
+
+def _check_model(policy: TextPolicy, name: str) -> None:
+    if name != policy.name:
+        raise APIError(404, f"the model {name!r} does not exist here; this server has {policy.name!r}",
+                       param="model", code="model_not_found")
+
+
+def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+async def _answer(request: Request, req: _Request, prompt_ids: list[int], chat: bool):
+    policy = _policy(request)
+    stops = req.stops()
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or _get(request, "default_max_tokens") \
+        or DEFAULT_MAX_TOKENS
+    policy.check_length(prompt_ids, max_tokens)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    if req.stream:
+        if req.n != 1:
+            raise APIError(400, "streaming supports n=1 only", param="n")
+        return StreamingResponse(_stream(policy, req, prompt_ids, max_tokens, stops, rid, created, chat),
+                                 media_type="text/event-stream")
+    choices = await asyncio.to_thread(policy.generate, prompt_ids, max_tokens=max_tokens, temperature=req.temperature,
+                                      top_p=req.top_p, n=req.n, stop=stops, seed=req.seed)
+    body = [({"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+             if chat else {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason})
+            for i, c in enumerate(choices)]
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": policy.name, "choices": body, "usage": _usage(len(prompt_ids), choices)}
+
+
+async def _stream(policy: TextPolicy, req: _Request, prompt_ids: list[int], max_tokens: int, stops: list[str],
+                  rid: str, created: int, chat: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if delta:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": kind, "created": created, "model": policy.name, "choices": [choice]}
+
+    if chat:
+        yield _event(chunk(None, None, first=True))
+    pieces = policy.stream(prompt_ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                           stop=stops, seed=req.seed)
+    done = object()
+    while True:
+        item = await asyncio.to_thread(next, pieces, done)
+        if item is done:
+            break
+        if isinstance(item, Choice):
+            final = chunk(None, item.finish_reason)
+            final["usage"] = _usage(len(prompt_ids), [item])
+            yield _event(final)
+        else:
+            yield _event(chunk(item, None))
+    yield "data: [DONE]\n\n"
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    policy = _policy(request)
+    return {"object": "list", "data": [{"id": policy.name, "object": "model", "created": policy.created,
+                                        "owned_by": "unirl_ray"}]}
+
+
+async def completions(request: Request, req: CompletionRequest):
+    policy = _policy(request)
+    _check_model(policy, req.model)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if len(prompts) != 1:
+        raise APIError(400, f"send one prompt per request (got {len(prompts)})", param="prompt")
+    return await _answer(request, req, policy.text_prompt_ids(prompts[0]), chat=False)
+
+
+async def chat_completions(request: Request, req: ChatRequest):
+    policy = _policy(request)
+    _check_model(policy, req.model)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    return await _answer(request, req, policy.chat_prompt_ids(messages), chat=True)
+
+
+DEFAULT_MAX_TOKENS = 256
+"""``max_tokens`` of a request that names none."""
+
+
+def make_app(title: str = "unirl_ray policy") -> FastAPI:
+    """The app's routes, error handlers and API-key check, without a policy (``create_app`` or a Serve replica
+    supplies it)."""
+    app = FastAPI(title=title)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid)
+    app.middleware("http")(_auth)
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    return app
+
+
+def create_app(policy: TextPolicy, *, api_key: str | None = None,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """The OpenAI-compatible FastAPI app over ``policy``; requests must carry ``Authorization: Bearer <api_key>``
+    when ``api_key`` is set."""
+    app = make_app(f"unirl_ray policy {policy.name}")
+    app.state.policy = policy
+    app.state.api_key = api_key
+    app.state.default_max_tokens = default_max_tokens
+    return app

@@ -101,6 +101,15 @@ def test_serves_what_the_model_generates_streams_it_and_cuts_at_stop_strings(ser
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
 
+    # a consumer that goes away mid-stream (a client disconnecting) stops the generation and frees the model
+    pieces = policy.stream(ids, max_tokens=200, temperature=1.0, seed=3)
+    assert isinstance(next(pieces), str) and isinstance(next(pieces), str)
+    pieces.close()
+    assert policy._lock.acquire(timeout=30)
+    policy._lock.release()
+    assert client.chat.completions.create(model="tiny-policy", messages=CHAT, max_tokens=12,
+                                          temperature=0).choices[0].message.content == want
+
 
 @pytest.mark.parametrize(
     "change, status, says",

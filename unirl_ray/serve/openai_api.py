@@ -166,6 +166,8 @@ class TextPolicy:
         inputs = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
         streamer = _TokenStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
         result: dict[str, Any] = {}
+        cancel = threading.Event()  # the caller went away (a client that disconnects mid-stream): stop generating
+        kwargs["stopping_criteria"] = _cancelled_criteria(cancel)
 
         def run() -> None:
             try:
@@ -182,21 +184,11 @@ class TextPolicy:
         with self._lock:
             thread = threading.Thread(target=run, name="policy-generate", daemon=True)
             thread.start()
-            sent = ""  # text handed out so far; a piece that may begin a stop string waits for the next one
-            pending = ""
-            for piece in streamer:
-                pending += piece
-                hold = max((len(s) - 1 for s in stop), default=0)
-                hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    pending = pending[:hit]
-                    break
-                ready = pending[:len(pending) - hold] if hold else pending
-                if ready:
-                    sent += ready
-                    pending = pending[len(ready):]
-                    yield ready
-            thread.join()
+            try:
+                sent = yield from self._pieces(streamer, stop)
+            finally:  # also when the consumer closes this generator early: the next request finds the model free
+                cancel.set()
+                thread.join(timeout=600)
             if "error" in result:
                 raise result["error"]
         choice = self._finish(result["ids"], max_tokens, stop)
@@ -204,6 +196,23 @@ class TextPolicy:
         if rest:
             yield rest
         yield choice
+
+    @staticmethod
+    def _pieces(streamer: Any, stop: list[str]) -> Iterator[str]:
+        """Yield the streamer's text, holding back what may begin a stop string; returns the text yielded."""
+        sent = ""  # text handed out so far; a piece that may begin a stop string waits for the next one
+        pending = ""
+        hold = max((len(s) - 1 for s in stop), default=0)
+        for piece in streamer:
+            pending += piece
+            if any(s in pending for s in stop):
+                break
+            ready = pending[:len(pending) - hold] if hold else pending
+            if ready:
+                sent += ready
+                pending = pending[len(ready):]
+                yield ready
+        return sent
 
 
 def _token_streamer_class() -> type:
@@ -226,6 +235,18 @@ def _token_streamer_class() -> type:
                 self.print_len = len(text)
 
     return TokenStreamer
+
+
+def _cancelled_criteria(cancel: threading.Event) -> Any:
+    """A ``StoppingCriteriaList`` that ends generation once ``cancel`` is set."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Cancelled(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Cancelled()])
 
 
 def _TokenStreamer(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - built on first use (transformers is heavy)

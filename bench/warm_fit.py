@@ -4,13 +4,13 @@ A benchmark, not a test: it asserts nothing about speed. What a notebook user pa
 the first, and what every end-to-end test pays: the Ray Train controller and its workers start, the
 worker builds its model, two steps train, the last checkpoint commits, the run ends. Ray Train's
 controller advances a run once per poll of its workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by
-default; ``unirl_ray.runtime.cluster.EMBEDDED_RAY_ENV`` sets 0.1 s for an embedded Ray).
+default; ``unirl_ray.runtime.cluster.EMBEDDED_RAY_ENV`` sets 0.5 s for an embedded Ray).
 
 Each setting runs in its own child process (a new local Ray: the controller reads the interval when it
 starts), settings alternating so that a drift of the machine's speed hits them alike; the first fit of
 each process (a cold one: Ray's own start, the first imports) is reported apart.
 
-    python bench/warm_fit.py                          # 0.1 s against 2.0 s, 3 fits x 2 rounds each (~3 min on 2 cores)
+    python bench/warm_fit.py                          # 0.5 s against 2.0 s, 3 warm fits x 2 rounds each (~3 min on 2 cores)
     python bench/warm_fit.py --intervals 0.1 0.5 2.0 --rounds 3 --json-out /tmp/warm.json
 """
 
@@ -70,7 +70,7 @@ def run_setting(interval: float, fits: int, timeout_s: float) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--intervals", type=float, nargs="+", default=[0.1, 2.0])
+    parser.add_argument("--intervals", type=float, nargs="+", default=[0.5, 2.0])
     parser.add_argument("--fits", type=int, default=4, help="fits per process, the first of them cold")
     parser.add_argument("--rounds", type=int, default=2, help="processes per interval, interleaved")
     parser.add_argument("--timeout-s", type=float, default=600.0)

@@ -23,8 +23,9 @@ STATUS_POLL_S = 0.1
 _START_LOCK = threading.Lock()
 
 
-def start_serve(http_port: int | None = None) -> None:
-    """Start Serve with HTTP off (default), or with one proxy bound to 127.0.0.1:``http_port``.
+def start_serve(http_port: int | None = None, host: str = "127.0.0.1") -> None:
+    """Start Serve with HTTP off (default), or with one proxy bound to ``host``:``http_port`` (loopback unless
+    the caller names another address).
 
     If Serve already runs in this cluster its settings are kept (Serve logs a warning). Thread-safe:
     deploys running in parallel threads (a reward app and a rollout engine) start one controller.
@@ -35,7 +36,7 @@ def start_serve(http_port: int | None = None) -> None:
         if http_port is None:
             serve.start(proxy_location="Disabled")
         else:
-            serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": int(http_port)})
+            serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": int(http_port)})
 
 
 def _app_statuses() -> dict[str, Any]:

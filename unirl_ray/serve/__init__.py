@@ -11,13 +11,18 @@ from __future__ import annotations
 import os
 
 
+def is_mlflow_uri(source: str) -> bool:
+    """Whether ``source`` names an MLflow artifact (``models:/``, ``runs:/``, any ``scheme://``), not a folder."""
+    return source.startswith(("models:/", "runs:/")) or "://" in source
+
+
 def resolve_model_source(source: str, *, tracking_uri: str | None = None, dst_path: str | None = None) -> str:
     """A local folder for ``source``: a folder as is; an MLflow artifact URI (``models:/<name>/<version>``,
     ``runs:/<run_id>/<path>``, any ``scheme://``) downloaded (into ``dst_path``, else a temporary folder) from
     ``tracking_uri`` (default: ``MLFLOW_TRACKING_URI``). ``ValueError`` naming the source when it cannot be had."""
     if not isinstance(source, str) or not source.strip():
         raise ValueError(f"model source must be a folder or an MLflow URI such as models:/<name>/<version>, got {source!r}")
-    if source.startswith(("models:/", "runs:/")) or "://" in source:
+    if is_mlflow_uri(source):
         import mlflow
         from mlflow.exceptions import MlflowException
 

@@ -34,28 +34,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", default=None, help="MLflow store of a models:/ or runs:/ source")
     parser.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else embedded)")
     parser.add_argument("--app-name", default="policy")
+    parser.add_argument("--deploy-timeout-s", type=float, default=600.0,
+                        help="give up (and delete the app) when the replicas are not serving after this long")
     args = parser.parse_args(argv)
 
-    from unirl_ray.serve import resolve_model_source
+    from unirl_ray.serve import is_mlflow_uri, resolve_model_source
+    from unirl_ray.serve.openai_api import model_folder
 
-    is_uri = args.source.startswith(("models:/", "runs:/")) or "://" in args.source
-    source = args.source if is_uri else resolve_model_source(args.source)  # a missing folder fails before Ray starts
-    if not is_uri and not os.path.isfile(os.path.join(source, "unirl_export.json")) and \
-            not os.path.isfile(os.path.join(source, "config.json")):
-        parser.error(f"{source} is neither an exported folder (unirl_export.json) nor a Hugging Face model folder "
-                     "(config.json)")
-
-    from ray import serve
+    source = args.source
+    if not is_mlflow_uri(source):  # a folder that cannot be served fails here, before Ray starts
+        try:
+            source = model_folder(resolve_model_source(source))[0]
+        except ValueError as exc:
+            parser.error(str(exc))
 
     from unirl_ray.runtime.cluster import RayConfig, ensure_ray
+    from unirl_ray.runtime.serve import delete_apps, run_app, start_serve
     from unirl_ray.serve.deployment import build_policy_app
 
     where = ensure_ray(RayConfig(address=args.address))
-    serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+    start_serve(http_port=args.port, host=args.host)
     app = build_policy_app(source, name=args.name, api_key=args.api_key, num_replicas=args.num_replicas,
                            ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
                            torch_dtype=args.torch_dtype, tracking_uri=args.tracking_uri)
-    serve.run(app, name=args.app_name, route_prefix="/")
+    try:
+        run_app(app, args.app_name, route_prefix="/", timeout_s=args.deploy_timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        delete_apps([args.app_name])
+        print(f"could not serve {args.source}: {exc}", file=sys.stderr, flush=True)
+        return 1
     url = f"http://{args.host}:{args.port}/v1"
     print(f"serving {args.source} on {where}: OpenAI API at {url} (GET {url}/models lists the model name); "
           "Ctrl-C stops it", flush=True)
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    serve.delete(args.app_name)
+    delete_apps([args.app_name])
     print("stopped", flush=True)
     return 0
 

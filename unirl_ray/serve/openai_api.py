@@ -13,6 +13,7 @@ the ``openai`` client); ``unirl_ray.serve.deployment`` puts it behind Ray Serve.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import os
@@ -46,6 +47,28 @@ class APIError(Exception):
 
 
 # ------------------------------------------------------------------------------------------------ policy
+def model_folder(folder: str) -> tuple[str, str, Any]:
+    """``(folder, model_path, export_info)`` of a folder the text policy can serve: an export of a causal LM
+    (``export_info`` its ``ExportInfo``) or a Hugging Face model folder (``export_info`` ``None``); ValueError
+    saying what the folder is instead."""
+    from unirl_ray.train.export import ExportInfo, is_previous_export
+
+    folder = os.path.abspath(os.path.expanduser(folder))
+    if not os.path.isdir(folder):
+        raise ValueError(f"model folder {folder!r} does not exist (pass an exported folder, a Hugging Face model "
+                         "folder, or an MLflow URI such as models:/<name>/<version>)")
+    info = ExportInfo.read(folder) if is_previous_export(folder) else None
+    if info is not None and info.bundle != "CausalLMBundle":
+        raise ValueError(f"{folder!r} holds a {info.bundle} export; the text policy app serves causal LMs "
+                         "(CausalLMBundle exports and Hugging Face *ForCausalLM folders)")
+    model_path = info.model_path if info is not None else folder
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ValueError(f"{model_path!r} has no config.json: neither an exported folder (unirl_export.json) "
+                         "nor a Hugging Face model folder")
+    return folder, model_path, info
+
+
+
 @dataclass(frozen=True)
 class Choice:
     """One generated continuation."""
@@ -65,19 +88,8 @@ class TextPolicy:
 
     def __init__(self, folder: str, *, name: str | None = None, torch_dtype: str = "float32") -> None:
         from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig
-        from unirl_ray.train.export import ExportInfo, is_previous_export
 
-        folder = os.path.abspath(os.path.expanduser(folder))
-        if not os.path.isdir(folder):
-            raise ValueError(f"model folder {folder!r} does not exist (pass an exported folder, a Hugging Face model "
-                             "folder, or an MLflow URI such as models:/<name>/<version>)")
-        info = ExportInfo.read(folder) if is_previous_export(folder) else None
-        if info is not None and info.bundle != "CausalLMBundle":
-            raise ValueError(f"{folder!r} holds a {info.bundle} export; the text policy app serves causal LMs "
-                             "(CausalLMBundle exports and Hugging Face *ForCausalLM folders)")
-        model_path = info.model_path if info is not None else folder
-        if not os.path.isfile(os.path.join(model_path, "config.json")):
-            raise ValueError(f"{model_path!r} has no config.json: not a Hugging Face model folder")
+        folder, model_path, info = model_folder(folder)
         bundle = CausalLMBundle.from_config(CausalLMConfig(pretrained_model_path=model_path, torch_dtype=torch_dtype))
         model = bundle.model
         if info is not None and info.adapter_path is not None:
@@ -87,7 +99,6 @@ class TextPolicy:
         self.model = model.eval()
         self.tokenizer = bundle.tokenizer
         self.name = name or os.path.basename(folder.rstrip(os.sep))
-        self.folder = folder
         self.policy_version = info.policy_version if info is not None else None
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
         self.created = int(time.time())
@@ -101,7 +112,7 @@ class TextPolicy:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding
+        if hasattr(ids, "keys"):  # a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
@@ -117,16 +128,22 @@ class TextPolicy:
                                 "max_tokens", param="max_tokens", code="context_length_exceeded")
 
     # ---------------------------------------------------------------------------- generation
-    def _generate_kwargs(self, max_tokens: int, temperature: float, top_p: float, stop: list[str]) -> dict[str, Any]:
+    def _prepare(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
+                 stop: list[str]) -> tuple[Any, dict[str, Any]]:
+        """The input tensor and ``generate``'s keyword arguments of one request (its length checked)."""
+        import torch
+
+        self.check_length(prompt_ids, max_tokens)
+        inputs = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
         kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "pad_token_id": self.tokenizer.pad_token_id,
-                                  "eos_token_id": self.tokenizer.eos_token_id}
+                                  "eos_token_id": self.tokenizer.eos_token_id, "attention_mask": torch.ones_like(inputs)}
         if temperature > 0:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if stop:
             kwargs.update(stop_strings=stop, tokenizer=self.tokenizer)
-        return kwargs
+        return inputs, kwargs
 
     def _finish(self, new_ids: list[int], max_tokens: int, stop: list[str]) -> Choice:
         eos = self.tokenizer.eos_token_id
@@ -143,15 +160,13 @@ class TextPolicy:
         import torch
 
         stop = list(stop or [])
-        self.check_length(prompt_ids, max_tokens)
-        kwargs = self._generate_kwargs(max_tokens, temperature, top_p, stop)
-        inputs = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
+        inputs, kwargs = self._prepare(prompt_ids, max_tokens, temperature, top_p, stop)
         choices = []
         with self._lock, torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
             for _ in range(n):
-                out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+                out = self.model.generate(inputs, **kwargs)
                 choices.append(self._finish(out[0, len(prompt_ids):].tolist(), max_tokens, stop))
         return choices
 
@@ -161,21 +176,19 @@ class TextPolicy:
         import torch
 
         stop = list(stop or [])
-        self.check_length(prompt_ids, max_tokens)
-        kwargs = self._generate_kwargs(max_tokens, temperature, top_p, stop)
-        inputs = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
-        streamer = _TokenStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
+        inputs, kwargs = self._prepare(prompt_ids, max_tokens, temperature, top_p, stop)
+        token_streamer, cancelled = _hf_helpers()
+        streamer = token_streamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
         result: dict[str, Any] = {}
         cancel = threading.Event()  # the caller went away (a client that disconnects mid-stream): stop generating
-        kwargs["stopping_criteria"] = _cancelled_criteria(cancel)
+        kwargs["stopping_criteria"] = [cancelled(cancel)]
 
         def run() -> None:
             try:
                 with torch.no_grad():
                     if seed is not None:
                         torch.manual_seed(seed)
-                    out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), streamer=streamer,
-                                              **kwargs)
+                    out = self.model.generate(inputs, streamer=streamer, **kwargs)
                 result["ids"] = out[0, len(prompt_ids):].tolist()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 result["error"] = exc
@@ -215,8 +228,11 @@ class TextPolicy:
         return sent
 
 
-def _token_streamer_class() -> type:
-    from transformers import TextIteratorStreamer
+@functools.cache
+def _hf_helpers() -> tuple[type, type]:
+    """``(TokenStreamer, Cancelled)``, built on first use (transformers is heavy to import)."""
+    import torch
+    from transformers import StoppingCriteria, TextIteratorStreamer
 
     class TokenStreamer(TextIteratorStreamer):
         """Hands out the text of every new token at once (transformers' streamers wait for a space), except a
@@ -234,23 +250,16 @@ def _token_streamer_class() -> type:
                 self.on_finalized_text(text[self.print_len:])
                 self.print_len = len(text)
 
-    return TokenStreamer
-
-
-def _cancelled_criteria(cancel: threading.Event) -> Any:
-    """A ``StoppingCriteriaList`` that ends generation once ``cancel`` is set."""
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
     class Cancelled(StoppingCriteria):
+        """Ends generation once its event is set."""
+
+        def __init__(self, cancel: threading.Event) -> None:
+            self.cancel = cancel
+
         def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-            return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+            return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device)
 
-    return StoppingCriteriaList([Cancelled()])
-
-
-def _TokenStreamer(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - built on first use (transformers is heavy)
-    return _token_streamer_class()(*args, **kwargs)
+    return TokenStreamer, Cancelled
 
 
 # -------------------------------------------------------------------------------------------- requests
@@ -308,7 +317,7 @@ are module-level functions (pickled by reference) that look the policy up here o
 
 
 def _get(request: Request, key: str) -> Any:
-    return getattr(request.app.state, key, None) if hasattr(request.app.state, key) else _PROCESS.get(key)
+    return getattr(request.app.state, key, _PROCESS.get(key))
 
 
 def _policy(request: Request) -> TextPolicy:

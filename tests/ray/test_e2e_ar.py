@@ -56,12 +56,13 @@ def assert_workers_at_driver_priority(trainer):
 
 def test_direct_rollout_learns_and_logs_text(ray_local, tmp_path):
     trainer = make(
-        ARTrainer, DIRECT, tmp_path, "direct", "trainer.num_steps=20", "tracking.log_samples_every=10",
+        # 14 steps: the last three average ~0.18 against ~0.014 for the first three (0.41 vs 0.014 at 20 steps)
+        ARTrainer, DIRECT, tmp_path, "direct", "trainer.num_steps=14", "tracking.log_samples_every=10",
         f"+trainer.export_dir={tmp_path / 'export'}", "+trainer.export_register_as=char-lm", *ONE_WORKER,
         experiment="e2e-ar",
     )
     trainer.fit()
-    assert_learned(trainer, 20)
+    assert_learned(trainer, 14)
     assert max(history(trainer, "rollout/logp_gap")) < 1e-4  # on-policy: trainer == rollout log-probs
     for key in ("rollout/response_len_mean", "perf/rollout_tokens_per_s", "algo/clip_frac", "train/loss"):
         assert history(trainer, key), key

@@ -59,7 +59,14 @@ def test_one_command_serves_an_exported_model_to_the_openai_client(tmp_path):
     assert rc == 0 and "stopped" in (tmp_path / "serve.log").read_text()
 
 
-def test_a_missing_folder_fails_before_ray_starts(tmp_path):
+def test_a_missing_folder_or_a_bad_size_fails_before_ray_starts(tmp_path):
     out = subprocess.run([sys.executable, "-m", "unirl_ray.serve", str(tmp_path / "nothing")], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "does not exist" in out.stderr and "Started a local Ray" not in out.stderr
+    from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
+
+    CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(seed=5))).save_pretrained(str(tmp_path / "m"))
+    out = subprocess.run([sys.executable, "-m", "unirl_ray.serve", str(tmp_path / "m"), "--num-replicas", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "num_replicas must be an integer >= 1" in out.stderr
+    assert "Started a local Ray" not in out.stderr

@@ -52,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     from unirl_ray.runtime.serve import delete_apps, run_app, start_serve
     from unirl_ray.serve.deployment import build_policy_app
 
+    try:  # bad sizes fail here too, before Ray starts
+        app = build_policy_app(source, name=args.name, api_key=args.api_key, num_replicas=args.num_replicas,
+                               ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+                               torch_dtype=args.torch_dtype, tracking_uri=args.tracking_uri)
+    except ValueError as exc:
+        parser.error(str(exc))
     where = ensure_ray(RayConfig(address=args.address))
     start_serve(http_port=args.port, host=args.host)
-    app = build_policy_app(source, name=args.name, api_key=args.api_key, num_replicas=args.num_replicas,
-                           ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
-                           torch_dtype=args.torch_dtype, tracking_uri=args.tracking_uri)
     try:
         run_app(app, args.app_name, route_prefix="/", timeout_s=args.deploy_timeout_s)
     except (RuntimeError, TimeoutError) as exc:

@@ -5,7 +5,9 @@ Serve deployment and the one-command server are tested end to end in ``tests/ray
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import threading
 import time
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import support
+from unirl_ray.rewards.judge import DEFAULT_TEMPLATE, llm_judge
 from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
 from unirl_ray.serve import resolve_model_source
 from unirl_ray.serve.openai_api import TextPolicy, create_app
@@ -30,13 +33,13 @@ def folder(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def server(folder):
+@contextlib.contextmanager
+def serving(policy: TextPolicy, api_key: str):
+    """``create_app(policy)`` on uvicorn on a free loopback port; yields the port."""
     import uvicorn
 
-    policy = TextPolicy(folder)
     port = support.free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(policy, api_key=KEY), host="127.0.0.1", port=port,
+    srv = uvicorn.Server(uvicorn.Config(create_app(policy, api_key=api_key), host="127.0.0.1", port=port,
                                         log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -44,10 +47,18 @@ def server(folder):
     while not srv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
         time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
-    yield policy, client, port
-    srv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield port
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    policy = TextPolicy(folder)
+    with serving(policy, KEY) as port:
+        yield policy, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60), port
 
 
 def direct(policy: TextPolicy, prompt_ids: list[int], n: int) -> str:
@@ -192,3 +203,36 @@ def test_the_deploy_file_builds_the_serve_app():
     assert isinstance(app_builder({"source": "/some/folder", "num_replicas": "2"}), Application)
     with pytest.raises(ValueError, match="needs a 'source'"):
         app_builder({})
+
+
+def test_the_llm_judge_scores_through_this_api_on_a_tiny_engine(tmp_path, monkeypatch):
+    """``rewards.judge.llm_judge`` pointed at a local tiny engine (this app, as the agentic recipes can): each
+    score is the first number in the model's own greedy reply to the judge's message, over ``scale`` and
+    clamped to [0, 1], or None where the reply has no number; a wrong model name or key makes every score
+    None, never 0."""
+    folder = tmp_path / "tiny-judge"  # seed 3: its greedy replies to these messages hold numbers, all but one
+    CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(seed=3))).save_pretrained(str(folder))
+    judge = TextPolicy(str(folder))
+    prompts = ["what is 6*7?", "what is 2+2?", "name a colour", "7-3?", "what is 9*9?", "say 5"]
+    completions = ["42", "5", "blue", "4", "81", "five"]
+    answers = ["42", "4", "red", "4", "81", "5"]
+    scale, tokens = 3.0, 24
+    want = []
+    for prompt, completion, answer in zip(prompts, completions, answers, strict=True):
+        message = [{"role": "user", "content": DEFAULT_TEMPLATE.format(prompt=prompt, completion=completion, answer=answer)}]
+        number = re.search(r"-?\d+(?:\.\d+)?", direct(judge, judge.chat_prompt_ids(message), tokens))
+        want.append(None if number is None else min(1.0, max(0.0, float(number.group()) / scale)))
+    # both branches and the clamp are exercised: 2/3, 1.0 (7/3 clamped) and None (no number in the reply)
+    assert None in want and 1.0 in want and any(s is not None and 0 < s < 1 for s in want), want
+
+    monkeypatch.setenv("JUDGE_KEY", KEY)
+    with serving(judge, KEY) as port:
+        url = f"http://127.0.0.1:{port}/v1"
+        scores = llm_judge(completions=completions, prompts=prompts, answer=answers, base_url=url,
+                           model="tiny-judge", scale=scale, max_tokens=tokens, api_key_env="JUDGE_KEY")
+        assert scores == want
+        assert llm_judge(completions=completions[:2], prompts=prompts[:2], base_url=url, model="another-model",
+                         api_key_env="JUDGE_KEY") == [None, None]  # 404
+        monkeypatch.setenv("JUDGE_KEY", "wrong")
+        assert llm_judge(completions=completions[:2], prompts=prompts[:2], base_url=url, model="tiny-judge",
+                         api_key_env="JUDGE_KEY") == [None, None]  # 401

@@ -2,14 +2,17 @@
 with a fixed reply, so every branch of the state machine is driven on purpose; the tools, transcripts, chat
 template and tokenizer are the real ones."""
 
+import glob
 import json
+import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
 import pytest
 
-from unirl_ray.agentic import Calculator, ToolEnvironment
+from unirl_ray.agentic import Calculator, PythonSandbox, PythonTool, ToolEnvironment
 from unirl_ray.agentic.environment import EnvStep, Environment, extract_tag
 from unirl_ray.core.sample import Sample, TextPart, chain_turns
 from unirl_ray.models.causal_lm.tokenizer import build_char_tokenizer
@@ -176,6 +179,40 @@ def test_tools_of_many_trajectories_run_at_once_within_the_bounds():
     assert Nap.peak == 4  # the tool pool's bound, reached
     assert m.peak_open <= 6 and m.peak_calls <= 4 and engine.peak <= 4  # 3 per replica x 2; 2 calls per replica
     assert elapsed < 8 * 0.3  # not one after the other
+    m.shutdown()
+
+
+@pytest.mark.skipif(not PythonSandbox.available(), reason="no user namespaces / unshare here")
+def test_each_trajectory_has_its_own_python_process_and_it_ends_with_the_trajectory():
+    """One PythonTool object in the recipe, several trajectories at once: each keeps its own variables from its
+    first call to its second, and when ``run`` returns no sandbox process or scratch directory is left."""
+
+    def remember(prompt, context):
+        replies = context.count("<|tool|>")
+        if replies == 0:
+            return call("python", code=f"x = {prompt.split()[1]}")
+        if replies == 1:
+            return call("python", code="print(x * 2)")
+        return f"<answer>{context.rsplit('<|tool|>', 1)[1].split('<|end|>')[0]}</answer>"
+
+    tok = build_char_tokenizer()
+    shared = PythonTool(limits={"wall_s": 20.0})
+    sessions = []
+
+    def make_env():
+        env = ToolEnvironment(tools=[shared], max_turns=4, tool_timeout_s=30, tokenizer=tok)
+        sessions.append(env.by_name["python"]._session)
+        return env
+
+    m = RolloutManager(ScriptedEngine(tok, remember), make_env=make_env, tokenizer=tok, max_context_tokens=400,
+                       cfg=AgentRolloutConfig(max_in_flight_per_replica=4, tool_workers=4))
+    pattern = os.path.join(tempfile.gettempdir(), "unirl-sandbox-*")
+    before = set(glob.glob(pattern))
+    out = m.run(requests([f"keep {v}" for v in (3, 17, 25, 40)]))
+    assert [t.answer for t in out] == ["6", "34", "50", "80"] and all(t.failure is None for t in out)
+    assert len(sessions) == 4 and len({id(s) for s in sessions}) == 4
+    assert all(s._closed and s._proc is None and s.restarts == 0 for s in sessions)  # closed with the trajectory
+    assert set(glob.glob(pattern)) <= before
     m.shutdown()
 
 

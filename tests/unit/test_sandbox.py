@@ -26,8 +26,19 @@ needs_sandbox = pytest.mark.skipif(not PythonSandbox.available(), reason="no use
 FAST = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=256, processes=16)
 
 
+@pytest.fixture(params=["call", "session"])
+def run(request):
+    """``code -> SandboxResult``: a fresh process per call (``PythonSandbox.run``), or the runs of one
+    ``PythonSession`` (the Python tool's process per trajectory), which must hold every escape test as well."""
+    if request.param == "call":
+        yield PythonSandbox(FAST).run
+    else:
+        with PythonSandbox(FAST).session() as session:
+            yield session.run
+
+
 @needs_sandbox
-def test_code_runs_in_its_scratch_directory_with_nothing_of_the_trainers_environment(monkeypatch):
+def test_code_runs_in_its_scratch_directory_with_nothing_of_the_trainers_environment(run, monkeypatch):
     monkeypatch.setenv("UNIRL_TEST_SECRET", "hunter2")
     code = (
         "import os, glob\n"
@@ -43,7 +54,7 @@ def test_code_runs_in_its_scratch_directory_with_nothing_of_the_trainers_environ
         "open('note.txt', 'w').write('scratch is writable')\n"
         "print(open('note.txt').read())\n"
     )
-    result = PythonSandbox(FAST).run(code)
+    result = run(code)
     assert result.ok, result
     lines = result.stdout.splitlines()
     assert lines[0] == "True ['HOME', 'LANG', 'PATH']" and lines[1] == "clean"
@@ -52,7 +63,7 @@ def test_code_runs_in_its_scratch_directory_with_nothing_of_the_trainers_environ
 
 
 @needs_sandbox
-def test_no_network_not_even_the_hosts_loopback():
+def test_no_network_not_even_the_hosts_loopback(run):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -77,7 +88,7 @@ def test_no_network_not_even_the_hosts_loopback():
             f"        print('CONNECTED', host)\n"
             f"    except OSError as exc:\n"
             f"        print('refused', host, type(exc).__name__)\n")
-    result = PythonSandbox(FAST).run(code)
+    result = run(code)
     done.set()
     thread.join(timeout=10)
     server.close()
@@ -86,7 +97,7 @@ def test_no_network_not_even_the_hosts_loopback():
 
 
 @needs_sandbox
-def test_nothing_outside_the_scratch_directory_can_be_written_or_made_writable(tmp_path):
+def test_nothing_outside_the_scratch_directory_can_be_written_or_made_writable(run, tmp_path):
     os.chmod(tmp_path, 0o777)
     targets = [str(tmp_path / "escape.txt"), "/tmp/unirl-escape.txt", "/dev/shm/unirl-escape.txt",
                os.path.expanduser("~/unirl-escape.txt"), "/etc/unirl-escape"]
@@ -103,25 +114,25 @@ def test_nothing_outside_the_scratch_directory_can_be_written_or_made_writable(t
             "    except OSError:\n"
             "        ok = False\n"
             "    print('REMOUNTED' if ok else 'mount refused')\n")
-    result = PythonSandbox(FAST).run(code)
+    result = run(code)
     assert "WROTE" not in result.stdout and "REMOUNTED" not in result.stdout, result
     assert result.stdout.count("refused") == len(targets) + 2
     assert not any(os.path.exists(t) for t in targets)
 
 
 @needs_sandbox
-def test_a_fork_bomb_an_infinite_loop_and_a_memory_bomb_are_stopped_and_reported():
-    sandbox = PythonSandbox(FAST)
+def test_a_fork_bomb_an_infinite_loop_and_a_memory_bomb_are_stopped_and_reported(run):
     t0 = time.monotonic()
-    bomb = sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    bomb = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
     assert bomb.timed_out and "wall-clock limit" in bomb.reason, bomb
-    loop = sandbox.run("while True:\n    pass\n")
-    assert not loop.ok and loop.reason, loop  # the CPU limit (SIGXCPU / SIGKILL) or the wall clock ends it
-    memory = sandbox.run("x = bytearray(8 * 1024 ** 3)\nprint('ALLOCATED')\n")
+    loop = run("while True:\n    pass\n")
+    assert not loop.ok and ("CPU 2s" in loop.reason or "wall-clock" in loop.reason), loop  # the CPU limit or the clock
+    assert "could not be set up" not in loop.reason and not loop.stderr.startswith("unshare:")
+    memory = run("x = bytearray(8 * 1024 ** 3)\nprint('ALLOCATED')\n")
     assert "ALLOCATED" not in memory.stdout and not memory.ok and "MemoryError" in memory.stderr, memory
     assert "memory limit" in memory.reason
     assert time.monotonic() - t0 < 3 * FAST.wall_s + 20  # every run ended (nothing hung)
-    assert sandbox.run("print(6 * 7)").stdout.strip() == "42"  # and the machine still runs sandboxes
+    assert run("print(6 * 7)").stdout.strip() == "42"  # and the machine still runs sandboxes
 
 
 @needs_sandbox
@@ -151,7 +162,9 @@ def test_without_namespaces_the_python_tool_is_refused_not_run_open(monkeypatch)
     try:
         assert not PythonSandbox.available()
         with pytest.raises(SandboxUnavailable, match="never runs unsandboxed"):
-            PythonTool()(code="print(1)")
+            PythonTool().for_trajectory()(code="print(1)")
+        with pytest.raises(SandboxUnavailable, match="never runs unsandboxed"):
+            PythonTool(session=False)(code="print(1)")
     finally:
         monkeypatch.undo()
         sandbox_module._probe.cache_clear()
@@ -159,7 +172,7 @@ def test_without_namespaces_the_python_tool_is_refused_not_run_open(monkeypatch)
 
 @needs_sandbox
 def test_the_python_tool_reports_output_errors_and_limits_to_the_model():
-    tool = PythonTool(limits={"wall_s": 5.0, "cpu_s": 3})
+    tool = PythonTool(limits={"wall_s": 5.0, "cpu_s": 3}, session=False)
     assert tool(code="print(sum(range(10)))") == "45"
     assert "ZeroDivisionError" in tool(code="1 / 0")
     assert tool(code="x = 1") == "(no output)"
@@ -167,6 +180,56 @@ def test_the_python_tool_reports_output_errors_and_limits_to_the_model():
         tool(code="1", cmd="ls")
     with pytest.raises(ValueError, match="sandbox limit wall_s must be a number > 0"):
         SandboxLimits(wall_s=0)
+
+
+def _processes_of(uid):
+    return sandbox_module._uids_in_use().get(uid, 0)
+
+
+@needs_sandbox
+def test_a_session_keeps_its_state_ends_on_a_timeout_and_leaves_nothing_behind():
+    """The Python tool's process per trajectory: variables and files live from call to call; a call past the
+    wall clock (or one that ends the process) ends the session and says so, and the next call starts a new
+    one with no variables; ``close`` kills everything it started (a process left running in the background
+    included) and removes its scratch directory; two trajectories of one shared tool never share a process."""
+    shared = PythonTool(limits={"wall_s": 3.0, "cpu_s": 4, "memory_mb": 256})
+    one, two = shared.for_trajectory(), shared.for_trajectory()
+    assert one is not two and one._session is not two._session
+    assert one(code="x = 20\nopen('kept.txt', 'w').write('file')") == "(no output)"
+    assert two(code="x = 1") == "(no output)"
+    assert one(code="x += 1\nprint(x * 2, open('kept.txt').read())") == "42 file"  # its own state only
+    assert two(code="print(x)") == "1"
+    traceback = one(code="import sys\nprint('out')\nprint('err', file=sys.stderr)\n1 / 0")
+    assert traceback.startswith("out\n") and "err\nTraceback" in traceback and "ZeroDivisionError" in traceback
+    assert 'main.py' not in traceback  # the session's own frames are not shown to the model
+    assert one(code="print(x)") == "21"  # an exception does not end the session
+
+    session = one._session
+    box = session._box
+    scratch, uid = box.scratch, box.uid
+    assert one(code="import subprocess\nsubprocess.Popen(['sleep', '300'])\nprint('started')") == "started"
+    late = one(code="print('before', flush=True)\nimport time\ntime.sleep(30)")
+    assert late.startswith("before") and "wall-clock limit of 3s" in late and "the session is gone" in late
+    assert not os.path.exists(scratch) and session._proc is None
+    if os.geteuid() == 0:
+        assert _processes_of(uid) == 0  # the background sleep died with the session
+    assert "NameError" in one(code="print(x)") and session.restarts == 1  # a new session, no variables
+    ended = one(code="import os\nos._exit(3)")
+    assert "exit code 3" in ended and "the session is gone" in ended
+    assert one(code="print('again')") == "again" and session.restarts == 2
+
+    one(code="import subprocess\nsubprocess.Popen(['sleep', '300'])")
+    box = session._box
+    scratch, uid = box.scratch, box.uid
+    one.close()
+    two.close()
+    assert not os.path.exists(scratch)
+    if os.geteuid() == 0:
+        assert _processes_of(uid) == 0 and not sandbox_module._claimed
+    with pytest.raises(RuntimeError, match="closed"):
+        one(code="print(1)")
+    with pytest.raises(RuntimeError, match="for_trajectory"):
+        shared(code="print(1)")  # the shared object itself has no process: it is never run directly
 
 
 def test_the_calculator_computes_arithmetic_and_refuses_everything_else():

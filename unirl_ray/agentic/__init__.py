@@ -11,15 +11,16 @@ the sandbox its code runs in.
   ``<tool_call>`` blocks, per-call time limits, truncated responses, the answer from an ``<answer>`` tag;
 - ``mcp``: ``MCPServerTools``, the tools of any MCP server (stdio or HTTP) as tools of ``ToolEnvironment``;
 - ``sandbox``: ``PythonSandbox``, a child process with no network, a read-only filesystem but its scratch
-  directory, no inherited environment, resource limits, killed and reported on timeout (Linux user namespaces).
+  directory, no inherited environment, resource limits, killed and reported on timeout (Linux user namespaces);
+  ``PythonSession``, one such process that keeps its state from run to run (the Python tool's, per trajectory).
 """
 
 from unirl_ray.agentic.environment import EnvStep, Environment, ToolEnvironment, ToolFailure
 from unirl_ray.agentic.mcp import MCPServerTools, MCPTool
-from unirl_ray.agentic.sandbox import PythonSandbox, SandboxLimits, SandboxResult, SandboxUnavailable
+from unirl_ray.agentic.sandbox import PythonSandbox, PythonSession, SandboxLimits, SandboxResult, SandboxUnavailable
 from unirl_ray.agentic.tool_calls import ToolCall, parse_tool_calls
 from unirl_ray.agentic.tools import Calculator, PythonTool, ToolError
 from unirl_ray.agentic.transcript import TokenTranscript, TurnSpan, render_ids, truncate_text
 
-__all__ = ["Calculator", "EnvStep", "Environment", "MCPServerTools", "MCPTool", "PythonSandbox", "PythonTool", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
+__all__ = ["Calculator", "EnvStep", "Environment", "MCPServerTools", "MCPTool", "PythonSandbox", "PythonSession", "PythonTool", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
            "TokenTranscript", "ToolCall", "ToolEnvironment", "ToolError", "ToolFailure", "TurnSpan", "parse_tool_calls", "render_ids", "truncate_text"]

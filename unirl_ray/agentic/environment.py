@@ -5,6 +5,7 @@ The contract users implement (one instance per trajectory; no Ray, no tokenizer 
     env.reset(row) -> messages                                  # the conversation so far (system, user, ...)
     env.step(assistant_message) -> (observation, reward, done)  # messages back, a reward or None, whether it ended
     env.answer() -> str                                         # what the reward service scores at the end
+    env.close()                                                 # (optional) the trajectory ended: free what it holds
 
 ``reward`` is a per-turn reward the environment knows itself (``None``: none); the terminal answer is scored
 by the reward app(s). ``env.tools`` (JSON schemas) go to the chat template as ``tools=``; ``env.stats()``
@@ -71,6 +72,9 @@ class Environment(ABC):
         """What this trajectory did, summed over its turns (``tool_calls``, ``tool_errors``, ``tool_seconds``)."""
         return {}
 
+    def close(self) -> None:
+        """The trajectory ended (answered, failed or timed out): free what it held (processes, connections)."""
+
 
 def tool_schema(tool: Any) -> dict[str, Any]:
     """The OpenAI function schema of a tool (``name``, ``description``, ``parameters``)."""
@@ -128,6 +132,10 @@ class ToolEnvironment(Environment):
         if max_tool_response_tokens is not None and max_tool_response_tokens < 1:
             raise ValueError(f"environment.max_tool_response_tokens must be >= 1 or null, got {max_tool_response_tokens}")
         tools = [t for item in tools for t in (item.tools() if callable(getattr(item, "tools", None)) else [item])]
+        # a tool with state per trajectory (the Python tool's process) gives this trajectory its own copy
+        own = [t.for_trajectory() if callable(getattr(t, "for_trajectory", None)) else t for t in tools]
+        self._owned = [o for o, t in zip(own, tools) if o is not t]
+        tools = own
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"environment.tools has duplicate names: {names}")
@@ -202,3 +210,8 @@ class ToolEnvironment(Environment):
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
+
+    def close(self) -> None:
+        for tool in self._owned:
+            if callable(getattr(tool, "close", None)):
+                tool.close()

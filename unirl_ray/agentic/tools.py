@@ -9,7 +9,7 @@ import math
 import operator
 from typing import Any
 
-from unirl_ray.agentic.sandbox import PythonSandbox, SandboxLimits
+from unirl_ray.agentic.sandbox import PythonSandbox, PythonSession, SandboxLimits
 
 
 class ToolError(ValueError):
@@ -74,25 +74,45 @@ class Calculator:
 
 
 class PythonTool:
-    """Runs the model's Python code in a ``PythonSandbox``; the observation is what it printed (and how it
-    ended when it did not end normally)."""
+    """Runs the model's Python code in the sandbox; the observation is what it printed (and how it ended when it
+    did not end normally). With ``session`` (the default) each trajectory gets one sandboxed process that keeps
+    its variables and files from call to call (``PythonSession``), started at its first call and killed when the
+    trajectory ends; without it every call is a fresh process (``PythonSandbox.run``)."""
 
     name = "python"
     description = "Run a Python program and see what it prints. No network; only the working directory is writable."
     parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
 
-    def __init__(self, *, limits: SandboxLimits | dict[str, Any] | None = None) -> None:
+    def __init__(self, *, limits: SandboxLimits | dict[str, Any] | None = None, session: bool = True) -> None:
         self.sandbox = PythonSandbox(SandboxLimits(**limits) if isinstance(limits, dict) else limits)
+        self.session = session
+        self._session: PythonSession | None = None
+
+    def for_trajectory(self) -> PythonTool:
+        """This tool for one trajectory (``ToolEnvironment`` asks for it): with ``session``, a copy with a Python
+        process of its own, so trajectories never see each other's variables even where they share a tool object."""
+        if not self.session:
+            return self
+        tool = PythonTool(limits=self.sandbox.limits, session=True)
+        tool._session = tool.sandbox.session()
+        return tool
 
     def __call__(self, code: Any = None, **unexpected: Any) -> str:
         if unexpected:
             raise ToolError(f"python takes only 'code', got {', '.join(sorted(unexpected))}")
         if not isinstance(code, str) or not code.strip():
             raise ToolError("python needs 'code': a non-empty string")
-        result = self.sandbox.run(code)
+        if self.session and self._session is None:
+            raise RuntimeError("a session PythonTool runs per trajectory: call for_trajectory() (ToolEnvironment does)")
+        result = (self._session or self.sandbox).run(code)
         text = result.stdout
         if result.stderr.strip():
             text += ("\n" if text else "") + result.stderr
         if result.reason:
             text += ("\n" if text else "") + f"[{result.reason}]"
         return text.strip() or "(no output)"
+
+    def close(self) -> None:
+        """Kill this trajectory's Python process, if it has one."""
+        if self._session is not None:
+            self._session.close()

@@ -278,6 +278,12 @@ class RolloutManager:
             traj.retokenize_mismatch = traj.transcript.retokenize_mismatch()
         if traj.turns:
             traj.transcript.check()  # one mask / log-prob per id, mask 1 exactly on the sampled turns
+        close = getattr(traj.env, "close", None)
+        if callable(close):
+            try:
+                close()  # its tools' processes (the Python tool's session) end with the trajectory
+            except Exception as exc:  # noqa: BLE001 - nothing of the result depends on it
+                log.warning("closing the environment of trajectory %s failed: %s", traj.request.get("sample_id"), exc)
         done[traj.request["sample_id"]] = traj
 
 

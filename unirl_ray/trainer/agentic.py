@@ -125,6 +125,8 @@ class AgenticTrainer(ARTrainer):
             if not callable(getattr(env, method, None)):
                 raise RecipeError(f"environment {type(env).__name__} has no {method}(); an environment implements "
                                   "reset(row) -> messages, step(message) -> (observation, reward, done), answer()")
+        if callable(getattr(env, "close", None)):
+            env.close()
 
     def make_environment(self) -> Any:
         """One trajectory's environment (the ``environment`` section, with the policy's tokenizer if it takes one)."""

@@ -12,7 +12,8 @@ One straight run serves every assertion: the policy solves tasks through the too
 every step the ids trained are the ids the engine sampled, token for token, and the loss masks are exact; the recorded
 log-probs equal the trainer's (no update between rollout and the first pass); a rank killed during step 5
 is replaced, and the run restored from its step-3 checkpoint (what a resumed run loads) replays steps 4
-and 5 exactly.
+and 5 exactly. A two-step run of the same recipe with the engine placed separately gives the straight run's
+first two steps exactly.
 """
 
 import os
@@ -157,3 +158,21 @@ def test_a_killed_rank_replays_exactly_from_the_checkpoint(straight):
         assert len(tries[4]) == 2 and tries[4][0] == pytest.approx(tries[4][1], abs=1e-6), (key, tries)
         assert len(tries[6]) == 1
     assert logged(trainer, "fault/worker_group_restarts") == {3: 1.0}
+
+
+def test_the_separate_placement_gives_the_colocated_numbers(straight, sft, tmp_path_factory):
+    """The same recipe with the engine on its own CPU share (``rollout.placement=separate``: the engine keeps its
+    weights loaded and receives each version from the weight store instead of taking turns with the train
+    worker) samples, scores and trains exactly as the colocated straight run over its first two steps."""
+    colocated = straight[0]
+    trainer = agentic(tmp_path_factory.mktemp("agentic-separate"), "calc-separate", sft[1], "trainer.num_steps=2",
+                      "rollout.placement=separate", "trainer.checkpoint_every=2", "tracking.log_samples_every=0")
+    trainer.fit()
+    assert trainer.dedicated.placement == "separate" and not logged(trainer, "timing/engine_wake")
+    for key in ("reward/mean", "rollout/tokens", "agent/turns_mean", "agent/tool_calls_per_traj"):
+        want = {s: v for s, v in logged(colocated, key).items() if s <= 2}
+        assert logged(trainer, key) == want, key  # the same trajectories
+    for key in ("train/loss", "train/grad_norm", "rollout/logp_gap"):
+        want = {s: v for s, v in logged(colocated, key).items() if s <= 2}
+        assert logged(trainer, key) == pytest.approx(want, rel=1e-5, abs=1e-6), key
+    assert logged(trainer, "timing/weight_sync").keys() == {1, 2}

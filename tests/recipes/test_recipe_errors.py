@@ -80,6 +80,8 @@ def test_real_recipe_validates_against_model_folder_configs(monkeypatch, tmp_pat
         ("data.path=/nonexistent/prompts.txt", "/nonexistent/prompts.txt"),
         ("reward.rewards.brightness.fn=unirl_ray.rewards.image.brightnes", "brightness"),
         ("ray.scaling.num_workers=0", "num_workers"),
+        # YAML reads "{kind:constant}" (no space after the colons) as keys without values, not as pairs
+        ("backend.lr_scheduler_cfg={kind:constant,warmup_steps:10}", "backend.lr_scheduler_cfg must be a LrSchedulerConfig"),
     ],
 )
 def test_invalid_values(override, message):

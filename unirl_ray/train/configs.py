@@ -281,6 +281,27 @@ class LrSchedulerConfig:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
 
 
+BACKEND_CONFIG_TYPES: dict[str, type] = {
+    "fsdp_cfg": FSDPConfig,
+    "optimizer_cfg": OptimizerConfig,
+    "lr_scheduler_cfg": LrSchedulerConfig,
+    "lora_cfg": LoraConfig,
+    "ema_lora_cfg": EmaLoraConfig,
+    "ema_full_cfg": EmaFullConfig,
+}
+"""The config objects a backend takes, by argument name."""
+
+
+def check_backend_config(name: str, value: object, where: str = "FSDPBackend") -> None:
+    """``ValueError`` unless ``value`` (the backend argument ``name``) is None or a config of its type: a mapping
+    without ``_target_`` (e.g. an override written ``{kind:constant}``, which YAML reads as keys, not pairs) is
+    refused here, naming the ``_target_`` to write."""
+    cls = BACKEND_CONFIG_TYPES[name]
+    if value is not None and not isinstance(value, cls):
+        raise ValueError(f"{where}.{name} must be a {cls.__name__} (in a recipe: _target_: {cls.__module__}."
+                         f"{cls.__name__}), got {type(value).__name__}")
+
+
 @dataclass(kw_only=True, frozen=True)
 class TrainTopology:
     """Rank layout the stack reads (data parallel today; TP/SP/EP plug in here later)."""

@@ -42,6 +42,7 @@ from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
 from unirl_ray.runtime.serve import delete_apps
+from unirl_ray.train.configs import BACKEND_CONFIG_TYPES, check_backend_config
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
 
 log = logging.getLogger(__name__)
@@ -451,13 +452,15 @@ def engine_sections(block: Any, backend_cfgs: dict[str, Any]) -> dict[str, Any]:
             "lora_cfg": lora, "trainable_attr": block.backend.trainable_attr}
 
 
-BACKEND_CONFIGS = ("fsdp_cfg", "optimizer_cfg", "lr_scheduler_cfg", "lora_cfg", "ema_lora_cfg", "ema_full_cfg")
-
-
 def backend_configs(backend: Any, algorithm: Any, num_workers: int, where: str = "backend") -> dict[str, Any]:
     """The backend section's configs, built on the driver (``{name: config}`` of those set), checked against
     the algorithm and the worker count; ``RecipeError`` naming ``where`` when they do not fit together."""
-    cfgs = {name: instantiate(backend[name]) for name in BACKEND_CONFIGS if backend.get(name) is not None}
+    cfgs = {name: instantiate(backend[name]) for name in BACKEND_CONFIG_TYPES if backend.get(name) is not None}
+    for name, value in cfgs.items():
+        try:
+            check_backend_config(name, value, where)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
     for alg in algorithm.values() if isinstance(algorithm, dict) else [algorithm]:  # {stage: algorithm} too
         if getattr(alg, "needs_shadow_policy", False) and "ema_lora_cfg" not in cfgs:
             raise RecipeError(f"algorithm {type(alg).__name__} trains against the EMA shadow adapter (its old "

@@ -49,19 +49,10 @@ from unirl_ray.train.configs import (
     LrSchedulerConfig,
     OptimizerConfig,
     TrainTopology,
+    check_backend_config,
 )
 
 log = logging.getLogger(__name__)
-
-_CONFIG_TYPES = {
-    "fsdp_cfg": FSDPConfig,
-    "optimizer_cfg": OptimizerConfig,
-    "lr_scheduler_cfg": LrSchedulerConfig,
-    "lora_cfg": LoraConfig,
-    "ema_lora_cfg": EmaLoraConfig,
-    "ema_full_cfg": EmaFullConfig,
-}
-
 
 class FSDPBackend:
     """The trainable model, its optimizer / schedule, its EMA shadows, and its checkpoint."""
@@ -85,12 +76,7 @@ class FSDPBackend:
         configs = dict(fsdp_cfg=fsdp_cfg, optimizer_cfg=optimizer_cfg, lr_scheduler_cfg=lr_scheduler_cfg,
                        lora_cfg=lora_cfg, ema_lora_cfg=ema_lora_cfg, ema_full_cfg=ema_full_cfg)
         for name, value in configs.items():
-            if value is not None and not isinstance(value, _CONFIG_TYPES[name]):
-                cls = _CONFIG_TYPES[name]
-                raise ValueError(
-                    f"FSDPBackend.{name} must be a {cls.__name__} (in a recipe: _target_: {cls.__module__}.{cls.__name__}), "
-                    f"got {type(value).__name__}"
-                )
+            check_backend_config(name, value)
         if lora_cfg is not None and ema_lora_cfg is not None:
             raise ValueError(
                 "FSDPBackend got both lora_cfg and ema_lora_cfg: EmaLoraConfig already injects the LoRA adapters "

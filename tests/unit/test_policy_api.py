@@ -19,7 +19,7 @@ import support
 from unirl_ray.rewards.judge import DEFAULT_TEMPLATE, llm_judge
 from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
 from unirl_ray.serve import resolve_model_source
-from unirl_ray.serve.openai_api import TextPolicy, create_app
+from unirl_ray.serve.openai_api import ImagePolicy, TextPolicy, create_app, load_policy
 from unirl_ray.train.export import INFO_FILE
 
 KEY = "test-key"
@@ -184,9 +184,9 @@ def test_sources_an_mlflow_registered_version_and_refuses_what_it_cannot_serve(f
         resolve_model_source(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="could not download 'models:/nope/1'"):
         resolve_model_source("models:/nope/1", tracking_uri=uri)
-    (export / INFO_FILE).write_text(json.dumps({**info.to_json(), "bundle": "SD3Bundle"}))
-    with pytest.raises(ValueError, match="holds a SD3Bundle export; the text policy app serves causal LMs"):
-        TextPolicy(str(export))
+    (export / INFO_FILE).write_text(json.dumps({**info.to_json(), "bundle": "WanBundle"}))
+    with pytest.raises(ValueError, match="holds a WanBundle export; the policy app serves causal LMs"):
+        load_policy(str(export))
 
 
 def test_the_deploy_file_builds_the_serve_app():
@@ -236,3 +236,66 @@ def test_the_llm_judge_scores_through_this_api_on_a_tiny_engine(tmp_path, monkey
         monkeypatch.setenv("JUDGE_KEY", "wrong")
         assert llm_judge(completions=completions[:2], prompts=prompts[:2], base_url=url, model="tiny-judge",
                          api_key_env="JUDGE_KEY") == [None, None]  # 401
+
+
+def test_a_text_to_image_export_answers_images_generations(tmp_path, server):
+    """An SD3 export (a diffusers pipeline folder + its export info) behind ``/v1/images/generations``: the
+    ``openai`` client's ``images.generate`` gets base64 PNGs of the asked size, exactly the pipeline's own
+    images for the request's seed; sizes the model cannot draw, URL responses and text routes are 400s (and an
+    image request to a text model too)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from unirl_ray.models.sd3 import SD3Bundle
+    from unirl_ray.models.sd3.config import SD3PipelineConfig
+    from unirl_ray.train.export import ExportInfo
+
+    export = tmp_path / "tiny-sd3"
+    transformer = SD3Bundle.from_config(SD3PipelineConfig()).save_pretrained(str(export))
+    info = ExportInfo(path=str(export), model_path=transformer, adapter_path=None, bundle="SD3Bundle",
+                      trainable_attr="transformer", lora=False, merged_lora=False, policy_version=7)
+    (export / INFO_FILE).write_text(json.dumps(info.to_json()))
+    policy = load_policy(str(export))
+    assert isinstance(policy, ImagePolicy) and policy.policy_version == 7 and policy.name == "tiny-sd3"
+    with pytest.raises(ValueError, match="is a text-to-image pipeline"):
+        TextPolicy(str(export))
+
+    def pngs(response):
+        return [base64.b64decode(d.b64_json) for d in response.data]
+
+    with serving(policy, KEY) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny-sd3"]
+        extra = {"seed": 3, "num_inference_steps": 2}
+        first = pngs(client.images.generate(model="tiny-sd3", prompt="a red fox", n=2, size="64x32", extra_body=extra))
+        again = pngs(client.images.generate(model="tiny-sd3", prompt="a red fox", n=2, size="64x32", extra_body=extra))
+        other = pngs(client.images.generate(model="tiny-sd3", prompt="a red fox", n=1, size="64x32",
+                                            extra_body={**extra, "seed": 4}))
+        assert len(first) == 2 and first == again and other[0] != first[0] and first[0] != first[1]
+        for png in first:
+            image = Image.open(io.BytesIO(png))
+            assert image.format == "PNG" and image.size == (64, 32) and image.mode == "RGB"
+        # exactly what the pipeline itself draws for that seed
+        own = policy.pipe("a red fox", num_images_per_prompt=2, width=64, height=32, num_inference_steps=2,
+                          generator=torch.Generator().manual_seed(3), output_type="pil").images
+        assert [np_pixels(Image.open(io.BytesIO(p))) for p in first] == [np_pixels(i) for i in own]
+        default = pngs(client.images.generate(model="tiny-sd3", prompt="a cat", extra_body=extra))
+        assert Image.open(io.BytesIO(default[0])).size == policy.default_size
+
+        for kwargs, status, says in ((dict(size="66x64"), 400, "multiple of 4"), (dict(size="big"), 400, "size must look"),
+                                     (dict(response_format="url"), 400, "not supported"), (dict(n=0), 400, "n"),
+                                     (dict(model="other"), 404, "does not exist")):
+            with pytest.raises(openai.APIStatusError) as err:
+                client.images.generate(**{"model": "tiny-sd3", "prompt": "x", **kwargs})
+            assert err.value.status_code == status and says in err.value.message, (kwargs, err.value.message)
+        with pytest.raises(openai.BadRequestError, match="generates images: use /v1/images/generations"):
+            client.chat.completions.create(model="tiny-sd3", messages=CHAT)
+    _, text_client, _ = server
+    with pytest.raises(openai.BadRequestError, match="generates text"):
+        text_client.images.generate(model="tiny-policy", prompt="x")
+
+
+def np_pixels(image):
+    return list(image.convert("RGB").getdata())

@@ -1,6 +1,7 @@
-"""``python -m unirl_ray.serve SOURCE``: serve a trained causal LM with OpenAI's routes on Ray Serve.
+"""``python -m unirl_ray.serve SOURCE``: serve a trained model with OpenAI's routes on Ray Serve.
 
-SOURCE is an exported folder (``trainer.export_dir``), a Hugging Face model folder, or an MLflow URI
+SOURCE is an exported folder (``trainer.export_dir``: a causal LM, or an SD3 text-to-image model served on
+``/v1/images/generations``), a Hugging Face model folder, a diffusers pipeline folder, or an MLflow URI
 (``models:/<name>/<version>``, ``runs:/<run_id>/<path>``). It starts an embedded Ray (or joins ``--address`` /
 ``RAY_ADDRESS``), binds Serve's HTTP proxy to ``--host`` (127.0.0.1 by default) and blocks until Ctrl-C or
 SIGTERM, then deletes the app. Then, e.g.::
@@ -8,6 +9,7 @@ SIGTERM, then deletes the app. Then, e.g.::
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.chat.completions.create(model="<name>", messages=[{"role": "user", "content": "hi"}])
+    client.images.generate(model="<name>", prompt="a red fox", size="512x512")   # a text-to-image model
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unirl_ray.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="exported folder, Hugging Face model folder, or models:/<name>/<version>")
+    parser.add_argument("source", help="exported folder, Hugging Face or diffusers folder, or models:/<name>/<version>")
     parser.add_argument("--name", help="the model's name in the API (default: the folder's or registered model's)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)

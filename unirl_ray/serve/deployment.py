@@ -1,4 +1,4 @@
-"""The policy app on Ray Serve: ``PolicyServer`` (one ``TextPolicy`` per replica behind the OpenAI routes of
+"""The policy app on Ray Serve: ``PolicyServer`` (one policy per replica, text or image, behind the OpenAI routes of
 ``openai_api``) and ``build_policy_app``, its builder (``serve_apps/policy_app.py`` wraps it for deploy files)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class PolicyServer:
                  torch_dtype: str = "float32", tracking_uri: str | None = None,
                  default_max_tokens: int = openai_api.DEFAULT_MAX_TOKENS) -> None:
         folder = resolve_model_source(source, tracking_uri=tracking_uri)
-        openai_api._PROCESS.update(policy=openai_api.TextPolicy(folder, name=name, torch_dtype=torch_dtype),
+        openai_api._PROCESS.update(policy=openai_api.load_policy(folder, name=name, torch_dtype=torch_dtype),
                                    api_key=api_key, default_max_tokens=default_max_tokens)
 
 

@@ -1,7 +1,10 @@
-"""An OpenAI-compatible HTTP API over a trained causal LM (Hugging Face ``generate``), as a FastAPI app.
+"""An OpenAI-compatible HTTP API over a trained model, as a FastAPI app: a causal LM (Hugging Face ``generate``)
+or a text-to-image pipeline (diffusers).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true``
-as server-sent events ending in ``data: [DONE]``). The official ``openai`` client talks to it unchanged. Errors
+Routes: ``GET /v1/models``; for a causal LM ``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with
+``"stream": true`` as server-sent events ending in ``data: [DONE]``); for a text-to-image model
+``POST /v1/images/generations`` (base64 PNGs, ``size`` as ``WxH``; ``seed``, ``num_inference_steps`` and
+``guidance_scale`` as extras). ``load_policy`` picks the kind from the folder. The official ``openai`` client talks to it unchanged. Errors
 use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request the model cannot
 serve (a bad field, a prompt longer than the model's context, streaming with ``n > 1``), 401 for a missing or
 wrong API key (when the app has one), 404 for another model's name.
@@ -13,6 +16,7 @@ the ``openai`` client); ``unirl_ray.serve.deployment`` puts it behind Ray Serve.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import hmac
 import json
@@ -47,10 +51,16 @@ class APIError(Exception):
 
 
 # ------------------------------------------------------------------------------------------------ policy
-def model_folder(folder: str) -> tuple[str, str, Any]:
-    """``(folder, model_path, export_info)`` of a folder the text policy can serve: an export of a causal LM
-    (``export_info`` its ``ExportInfo``) or a Hugging Face model folder (``export_info`` ``None``); ValueError
-    saying what the folder is instead."""
+IMAGE_BUNDLES = ("SD3Bundle",)
+"""Exports served on ``/v1/images/generations`` (text-to-image pipelines)."""
+
+
+def model_folder(folder: str) -> tuple[str, str, Any, Literal["text", "image"]]:
+    """``(folder, model_path, export_info, kind)`` of a folder the policy app can serve: an export of a causal LM
+    or a Hugging Face model folder (``kind`` ``"text"``: ``model_path`` holds ``config.json``), or an export of a
+    text-to-image model or a diffusers pipeline folder (``"image"``: ``model_path`` holds ``model_index.json``);
+    ``export_info`` is the ``ExportInfo`` of an export, else ``None``. ValueError saying what the folder is
+    instead."""
     from unirl_ray.train.export import ExportInfo, is_previous_export
 
     folder = os.path.abspath(os.path.expanduser(folder))
@@ -58,15 +68,26 @@ def model_folder(folder: str) -> tuple[str, str, Any]:
         raise ValueError(f"model folder {folder!r} does not exist (pass an exported folder, a Hugging Face model "
                          "folder, or an MLflow URI such as models:/<name>/<version>)")
     info = ExportInfo.read(folder) if is_previous_export(folder) else None
-    if info is not None and info.bundle != "CausalLMBundle":
-        raise ValueError(f"{folder!r} holds a {info.bundle} export; the text policy app serves causal LMs "
-                         "(CausalLMBundle exports and Hugging Face *ForCausalLM folders)")
+    if info is not None and info.bundle not in ("CausalLMBundle", *IMAGE_BUNDLES):
+        raise ValueError(f"{folder!r} holds a {info.bundle} export; the policy app serves causal LMs (CausalLMBundle "
+                         f"exports and Hugging Face *ForCausalLM folders) and text-to-image pipelines "
+                         f"({', '.join(IMAGE_BUNDLES)} exports and diffusers pipeline folders)")
+    if (info is not None and info.bundle in IMAGE_BUNDLES) or \
+            (info is None and os.path.isfile(os.path.join(folder, "model_index.json"))):
+        if not os.path.isfile(os.path.join(folder, "model_index.json")):
+            raise ValueError(f"{folder!r} has no model_index.json: not a diffusers pipeline folder")
+        return folder, folder, info, "image"
     model_path = info.model_path if info is not None else folder
     if not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise ValueError(f"{model_path!r} has no config.json: neither an exported folder (unirl_export.json) "
-                         "nor a Hugging Face model folder")
-    return folder, model_path, info
+        raise ValueError(f"{model_path!r} has no config.json: neither an exported folder (unirl_export.json), a "
+                         "Hugging Face model folder nor a diffusers pipeline folder (model_index.json)")
+    return folder, model_path, info, "text"
 
+
+def load_policy(folder: str, *, name: str | None = None, torch_dtype: str = "float32") -> TextPolicy | ImagePolicy:
+    """The policy for ``folder`` (see ``model_folder``): a ``TextPolicy`` or an ``ImagePolicy``."""
+    kind = model_folder(folder)[3]
+    return (TextPolicy if kind == "text" else ImagePolicy)(folder, name=name, torch_dtype=torch_dtype)
 
 
 @dataclass(frozen=True)
@@ -89,7 +110,9 @@ class TextPolicy:
     def __init__(self, folder: str, *, name: str | None = None, torch_dtype: str = "float32") -> None:
         from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig
 
-        folder, model_path, info = model_folder(folder)
+        folder, model_path, info, kind = model_folder(folder)
+        if kind != "text":
+            raise ValueError(f"{folder!r} is a text-to-image pipeline: serve it with ImagePolicy (load_policy picks it)")
         bundle = CausalLMBundle.from_config(CausalLMConfig(pretrained_model_path=model_path, torch_dtype=torch_dtype))
         model = bundle.model
         if info is not None and info.adapter_path is not None:
@@ -309,6 +332,85 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
+class ImagePolicy:
+    """A text-to-image pipeline loaded for ``/v1/images/generations``: an export of this project (``SD3Bundle``:
+    a diffusers pipeline folder; LoRA adapters kept apart are merged into the transformer on load) or any
+    diffusers pipeline folder, loaded with ``diffusers.DiffusionPipeline.from_pretrained``. One request at a
+    time (a lock); a request's ``seed`` fixes its images."""
+
+    def __init__(self, folder: str, *, name: str | None = None, torch_dtype: str = "float32") -> None:
+        from diffusers import DiffusionPipeline
+
+        from unirl_ray.core.dtypes import TORCH_DTYPES
+
+        folder, model_path, info, kind = model_folder(folder)
+        if kind != "image":
+            raise ValueError(f"{folder!r} is a causal LM: serve it with TextPolicy (load_policy picks it)")
+        pipe = DiffusionPipeline.from_pretrained(model_path, dtype=TORCH_DTYPES[torch_dtype])
+        if info is not None and info.adapter_path is not None:
+            from peft import PeftModel
+
+            pipe.transformer = PeftModel.from_pretrained(pipe.transformer, info.adapter_path).merge_and_unload()
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe
+        self.name = name or os.path.basename(folder.rstrip(os.sep))
+        self.policy_version = info.policy_version if info is not None else None
+        sample = getattr(getattr(pipe, "transformer", None), "config", None)
+        factor = int(getattr(pipe, "vae_scale_factor", 8) or 8)
+        side = int(getattr(sample, "sample_size", 0) or 0) * factor
+        self.default_size = (side, side) if side else (512, 512)
+        """(width, height) of a request that names no ``size``: the transformer's native resolution."""
+        self.multiple = factor * int(getattr(sample, "patch_size", 1) or 1)
+        """Width and height must be multiples of this (the VAE's factor times the transformer's patch)."""
+        self.created = int(time.time())
+        self._lock = threading.Lock()
+
+    def check_size(self, width: int, height: int) -> None:
+        for what, value in (("width", width), ("height", height)):
+            if value <= 0 or value % self.multiple or value > 4096:
+                raise APIError(400, f"size: {what} {value} must be a positive multiple of {self.multiple} "
+                               f"(at most 4096) for model {self.name!r}", param="size")
+
+    def generate(self, prompt: str, *, n: int, width: int, height: int, seed: int | None,
+                 num_inference_steps: int | None, guidance_scale: float | None) -> list[bytes]:
+        """``n`` PNG images of ``prompt``."""
+        import io
+
+        import torch
+
+        self.check_size(width, height)
+        kwargs: dict[str, Any] = {}
+        if num_inference_steps is not None:
+            kwargs["num_inference_steps"] = num_inference_steps
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
+        with self._lock:
+            generator = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "big"))
+            images = self.pipe(prompt, num_images_per_prompt=n, width=width, height=height, generator=generator,
+                               output_type="pil", **kwargs).images
+        out = []
+        for image in images:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            out.append(buffer.getvalue())
+        return out
+
+
+class ImageRequest(BaseModel):
+    """``POST /v1/images/generations`` (OpenAI's fields, plus ``seed``, ``num_inference_steps`` and
+    ``guidance_scale`` as extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str = Field(min_length=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    seed: int | None = None
+    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    guidance_scale: float | None = Field(None, ge=0)
+
+
 # ------------------------------------------------------------------------------------------------ app
 _PROCESS: dict[str, Any] = {}
 """The policy (``"policy"``) and API key (``"api_key"``) of this process, for an app without its own: a Serve
@@ -320,7 +422,7 @@ def _get(request: Request, key: str) -> Any:
     return getattr(request.app.state, key, _PROCESS.get(key))
 
 
-def _policy(request: Request) -> TextPolicy:
+def _policy(request: Request) -> TextPolicy | ImagePolicy:
     policy = _get(request, "policy")
     if policy is None:
         raise APIError(503, "the model is not loaded yet", kind="server_error")
@@ -353,7 +455,7 @@ async def _auth(request: Request, call_next):
     return await call_next(request)
 
 
-def _check_model(policy: TextPolicy, name: str) -> None:
+def _check_model(policy: TextPolicy | ImagePolicy, name: str) -> None:
     if name != policy.name:
         raise APIError(404, f"the model {name!r} does not exist here; this server has {policy.name!r}",
                        param="model", code="model_not_found")
@@ -424,9 +526,16 @@ async def list_models(request: Request) -> dict[str, Any]:
                                         "owned_by": "unirl_ray"}]}
 
 
-async def completions(request: Request, req: CompletionRequest):
+def _text_policy(request: Request, name: str) -> TextPolicy:
     policy = _policy(request)
-    _check_model(policy, req.model)
+    _check_model(policy, name)
+    if not isinstance(policy, TextPolicy):
+        raise APIError(400, f"model {policy.name!r} generates images: use /v1/images/generations", param="model")
+    return policy
+
+
+async def completions(request: Request, req: CompletionRequest):
+    policy = _text_policy(request, req.model)
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if len(prompts) != 1:
         raise APIError(400, f"send one prompt per request (got {len(prompts)})", param="prompt")
@@ -434,10 +543,30 @@ async def completions(request: Request, req: CompletionRequest):
 
 
 async def chat_completions(request: Request, req: ChatRequest):
-    policy = _policy(request)
-    _check_model(policy, req.model)
+    policy = _text_policy(request, req.model)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     return await _answer(request, req, policy.chat_prompt_ids(messages), chat=True)
+
+
+async def images_generations(request: Request, req: ImageRequest):
+    policy = _policy(request)
+    _check_model(policy, req.model)
+    if not isinstance(policy, ImagePolicy):
+        raise APIError(400, f"model {policy.name!r} generates text: use /v1/chat/completions or /v1/completions",
+                       param="model")
+    if req.response_format != "b64_json":
+        raise APIError(400, "response_format 'url' is not supported: this server returns images inline (b64_json)",
+                       param="response_format")
+    width, height = policy.default_size
+    if req.size is not None:
+        try:
+            width, height = (int(v) for v in req.size.lower().split("x"))
+        except ValueError:
+            raise APIError(400, f"size must look like 512x512 (width x height), got {req.size!r}", param="size") from None
+    policy.check_size(width, height)
+    images = await asyncio.to_thread(policy.generate, req.prompt, n=req.n, width=width, height=height, seed=req.seed,
+                                     num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale)
+    return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode("ascii")} for png in images]}
 
 
 DEFAULT_MAX_TOKENS = 256
@@ -454,10 +583,11 @@ def make_app(title: str = "unirl_ray policy") -> FastAPI:
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/images/generations", images_generations, methods=["POST"])
     return app
 
 
-def create_app(policy: TextPolicy, *, api_key: str | None = None,
+def create_app(policy: TextPolicy | ImagePolicy, *, api_key: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
     """The OpenAI-compatible FastAPI app over ``policy``; requests must carry ``Authorization: Bearer <api_key>``
     when ``api_key`` is set."""

@@ -13,6 +13,8 @@ The job inherits the environment of the process that started the head: PATH star
 The job is also the diffusion trainer's learning test (the tiny SD3 recipe, Flow-GRPO, one worker): the
 reward rises, the metrics, parameters, images and recipe reach MLflow, and the synchronous checkpoints are
 complete when saved (the other diffusion runs, in ``tests/ray/test_e2e_diffusion.py``, save asynchronously).
+Then ``mlflow server`` (the MLflow UI's server) on the job's store serves the run, its metrics and its images
+through its REST API.
 """
 
 from __future__ import annotations
@@ -213,6 +215,63 @@ def assert_learned_and_logged(storage: Path) -> None:
     assert sorted(waits) == [4, STEPS] and all(v > 0 for v in waits.values()), waits
 
 
+def assert_the_mlflow_ui_serves_the_run(storage: Path) -> None:
+    """``mlflow server`` (what ``mlflow ui`` runs) on the finished job's store: the run, its metric histories
+    and its images come back through the server's REST API, as the UI reads them."""
+    import io
+    import json
+    from urllib.parse import quote
+
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
+
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    port = _free_ports(1)[0]
+    server = subprocess.Popen([str(_venv_bin() / "mlflow"), "server", "--backend-store-uri",
+                               f"sqlite:///{storage / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def get(path: str) -> bytes:
+        with urllib.request.urlopen(base + path, timeout=60) as response:
+            return response.read()
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if get("/health"):
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not come up"
+                time.sleep(0.5)
+        rid = run.info.run_id
+        (experiment,) = [e for e in json.loads(get("/api/2.0/mlflow/experiments/search?max_results=100"))["experiments"]
+                         if e["experiment_id"] == run.info.experiment_id]
+        got = json.loads(get(f"/api/2.0/mlflow/runs/get?run_id={rid}"))["run"]
+        assert got["info"]["status"] == "FINISHED" and got["info"]["run_name"] == run.info.run_name, got["info"]
+        assert experiment["name"] == client.get_experiment(run.info.experiment_id).name
+        for key in ("reward/mean", "train/loss"):
+            served = json.loads(get(f"/api/2.0/mlflow/metrics/get-history?run_id={rid}&metric_key={key}"))["metrics"]
+            want = client.get_metric_history(rid, key)
+            assert sorted((m["step"], m["value"]) for m in served) == sorted((m.step, m.value) for m in want), key
+        folders = [a.path for a in client.list_artifacts(rid) if a.is_dir and ("images" in a.path or "samples" in a.path)]
+        pngs = [a.path for folder in folders for a in client.list_artifacts(rid, folder) if a.path.endswith(".png")]
+        assert pngs, folders
+        listed = json.loads(get(f"/api/2.0/mlflow/artifacts/list?run_id={rid}&path={quote(folders[0])}"))["files"]
+        assert {f["path"] for f in listed if f["path"].endswith(".png")} >= {p for p in pngs if p.startswith(folders[0])}
+        image = Image.open(io.BytesIO(get(f"/get-artifact?path={quote(pngs[0])}&run_uuid={rid}")))
+        assert image.format == "PNG" and min(image.size) > 0
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
 def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
     url, env, temp_dir = ray_head
     storage = tmp_path / "runs"
@@ -234,6 +293,7 @@ def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
     assert "running on Ray cluster at" in out, out[-8000:]  # joined the head, no embedded Ray
     assert (storage / "mlflow.db").is_file()
     assert_learned_and_logged(storage)
+    assert_the_mlflow_ui_serves_the_run(storage)
 
     # the working dir package on the head: the repo's sources, without the git-ignored venv
     packages = {p.resolve().parent.parent for p in temp_dir.glob("session_2*/runtime_resources/working_dir_files/*/recipes/sd3.py")}

@@ -198,6 +198,12 @@ def test_sd3_export_is_a_diffusers_pipeline_with_the_trained_transformer(tmp_pat
     else:
         torch.testing.assert_close(sd3_out(pipe.transformer), live, atol=1e-5, rtol=0)
     torch.testing.assert_close(sd3_out(transformer), live, atol=1e-5, rtol=0)
+    # the policy app's image model serves the trained transformer (an adapter kept apart merged on load)
+    from unirl_ray.serve.openai_api import ImagePolicy, load_policy
+
+    served = load_policy(info.path)
+    assert isinstance(served, ImagePolicy) and served.name == "sd3"
+    torch.testing.assert_close(sd3_out(served.pipe.transformer), live, atol=1e-5, rtol=0)
     reloaded = SD3Bundle.from_config(SD3PipelineConfig(pretrained_model_ckpt_path=info.path))
     assert reloaded.transformer.config.num_layers == bundle.transformer.config.num_layers
 

@@ -4,10 +4,11 @@ or a text-to-image pipeline (diffusers).
 Routes: ``GET /v1/models``; for a causal LM ``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with
 ``"stream": true`` as server-sent events ending in ``data: [DONE]``); for a text-to-image model
 ``POST /v1/images/generations`` (base64 PNGs, ``size`` as ``WxH``; ``seed``, ``num_inference_steps`` and
-``guidance_scale`` as extras). ``load_policy`` picks the kind from the folder. The official ``openai`` client talks to it unchanged. Errors
-use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request the model cannot
-serve (a bad field, a prompt longer than the model's context, streaming with ``n > 1``), 401 for a missing or
-wrong API key (when the app has one), 404 for another model's name.
+``guidance_scale`` as extras). ``load_policy`` picks the kind from the folder. The official ``openai`` client
+talks to it unchanged. Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+request the model cannot serve (a bad field, a prompt longer than the model's context, streaming with ``n > 1``,
+a size the model cannot draw, a route of the other kind of model), 401 for a missing or wrong API key (when the
+app has one), 404 for another model's name.
 
 This module needs no Ray: ``create_app(policy)`` is a plain FastAPI app (run it with uvicorn, or test it with
 the ``openai`` client); ``unirl_ray.serve.deployment`` puts it behind Ray Serve.

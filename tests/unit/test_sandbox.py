@@ -187,13 +187,15 @@ def _processes_of(uid):
 
 
 @needs_sandbox
-def test_a_session_keeps_its_state_ends_on_a_timeout_and_leaves_nothing_behind():
+def test_a_session_keeps_its_state_ends_on_a_timeout_and_leaves_nothing_behind(request):
     """The Python tool's process per trajectory: variables and files live from call to call; a call past the
     wall clock (or one that ends the process) ends the session and says so, and the next call starts a new
     one with no variables; ``close`` kills everything it started (a process left running in the background
     included) and removes its scratch directory; two trajectories of one shared tool never share a process."""
     shared = PythonTool(limits={"wall_s": 3.0, "cpu_s": 4, "memory_mb": 256})
     one, two = shared.for_trajectory(), shared.for_trajectory()
+    request.addfinalizer(one.close)  # (idempotent) also when an assertion below fails
+    request.addfinalizer(two.close)
     assert one is not two and one._session is not two._session
     assert one(code="x = 20\nopen('kept.txt', 'w').write('file')") == "(no output)"
     assert two(code="x = 1") == "(no output)"

@@ -11,6 +11,7 @@ interval per process.
 
     python bench/process_cpu.py -- .venv/bin/python -m pytest -q -p no:cacheprovider tests/ray/test_e2e_ar.py
     python bench/process_cpu.py --json-out /tmp/cpu.json -- .venv/bin/python recipes/ar.py trainer.num_steps=2
+    python bench/process_cpu.py --timeline 1 -- .venv/bin/python recipes/ar.py trainer.num_steps=2   # serial chains
 
 It answers the questions the CI budget and the cold start raise: is a run CPU-bound (utilisation of
 the cores near 1) or waiting, and how many CPU-seconds each Ray Train run, Serve app and actor costs.
@@ -72,7 +73,9 @@ def kind(cmdline: str) -> str:
     return program
 
 
-def sample(procs: dict[str, Proc], baseline: bool) -> None:
+def sample(procs: dict[str, Proc], baseline: bool) -> dict[str, int]:
+    """Read every process; update ``procs``; the CPU ticks each used since the previous sample."""
+    used: dict[str, int] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -82,10 +85,37 @@ def sample(procs: dict[str, Proc], baseline: bool) -> None:
         ticks, cmdline = read
         proc = procs.get(pid)
         if proc is None:
-            proc = procs[pid] = Proc(start_ticks=ticks if baseline else 0)
+            proc = procs[pid] = Proc(start_ticks=ticks if baseline else 0, ticks=ticks if baseline else 0)
+        used[pid] = ticks - proc.ticks
         proc.ticks = ticks
         if cmdline and (not proc.title or not cmdline.startswith("ray::IDLE")):
             proc.title = cmdline
+    return used
+
+
+class Timeline:
+    """CPU per window of ``window_s`` seconds: its utilisation of the cores and the kinds that used most.
+
+    A window at 1/cores utilisation with one kind in it is a serial chain (one process importing or
+    building while the other cores wait): the latency a start-up pays that more cores cannot buy back."""
+
+    def __init__(self, window_s: float, cores: int, top: int = 3) -> None:
+        self.window_s, self.cores, self.top = window_s, cores, top
+        self.start = self.next = time.monotonic()
+        self.acc: dict[str, float] = {}
+
+    def add(self, used: dict[str, int], procs: dict[str, Proc], me: str) -> None:
+        for pid, ticks in used.items():
+            if pid != me and ticks > 0:
+                name = kind(procs[pid].title)
+                self.acc[name] = self.acc.get(name, 0.0) + ticks / TICK
+        now = time.monotonic()
+        if now - self.next >= self.window_s:
+            total = sum(self.acc.values())
+            ranked = sorted(self.acc.items(), key=lambda kv: -kv[1])[: self.top]
+            print(f"[{self.next - self.start:7.1f}-{now - self.start:7.1f} s] {total / ((now - self.next) * self.cores):4.0%} "
+                  + ", ".join(f"{name} {cpu:.1f}" for name, cpu in ranked), flush=True)
+            self.acc, self.next = {}, now
 
 
 def main() -> int:
@@ -93,6 +123,8 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples (default 0.2)")
     parser.add_argument("--top", type=int, default=25, help="kinds shown (default 25)")
     parser.add_argument("--json-out", help="write the JSON result line here too")
+    parser.add_argument("--timeline", type=float, metavar="SECONDS",
+                        help="also print, every SECONDS, the cores' utilisation and the kinds that used the most CPU")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -104,10 +136,13 @@ def main() -> int:
     sample(procs, baseline=True)
     me = str(os.getpid())
     start = time.monotonic()
+    timeline = Timeline(args.timeline, os.cpu_count() or 1) if args.timeline else None
     child = subprocess.Popen(command)
     while child.poll() is None:
         time.sleep(args.interval)
-        sample(procs, baseline=False)
+        used = sample(procs, baseline=False)
+        if timeline is not None:
+            timeline.add(used, procs, me)
     wall = time.monotonic() - start
     sample(procs, baseline=False)
 

@@ -81,3 +81,79 @@ def test_combines_with_a_rule_reward_by_weight():
     totals = combine(per_source, cfg.weights)
     for i, total in enumerate(totals):
         assert total == pytest.approx(images[i].mean() / 255.0 + 0.5 * per_source["clip"][i], abs=1e-6)
+
+
+# ------------------------------------------------------------------ PickScore and the aesthetic predictor
+
+
+def test_pickscore_is_the_cosine_times_the_learned_temperature(clip):
+    from unirl_ray.rewards.image_model import PickScoreReward
+
+    pick = PickScoreReward(tiny=True, batch_size=3, device="cpu")
+    # the tiny CLIP keeps CLIPConfig's initial temperature, logit_scale = 2.6592 (~ log(1 / 0.07))
+    assert pick.scale == pytest.approx(np.exp(2.6592), rel=1e-6)
+    images, prompts = _images(4, seed=5), ["a red fox", "a cat", "", "snow"]
+    cosines = clip(images=images, prompts=prompts)  # the same tiny model, scale 1
+    assert pick(images=images, prompts=prompts) == pytest.approx([np.exp(2.6592) * s for s in cosines], rel=1e-4, abs=1e-5)
+    assert PickScoreReward(tiny=True, device="cpu", scale=2.0).scale == 2.0  # an explicit scale wins
+
+
+@pytest.fixture(scope="module")
+def aesthetic():
+    from unirl_ray.rewards.image_model import AestheticReward
+
+    return AestheticReward(tiny=True, batch_size=2, device="cpu")
+
+
+def _aesthetic_by_hand(reward, image, seed=0):
+    """The published predictor, written out: the CLIP image feature of the SAME tiny CLIP (its full model,
+    not the reward's vision-only copy), L2-normalised, through the head's Linear layers as one affine map
+    (the head has no activations; dropout is off in eval)."""
+    from unirl_ray.rewards.image_model import tiny_clip
+
+    model, processor = tiny_clip(seed=seed)
+    pixels = processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        feature = model.get_image_features(pixel_values=pixels)
+    feature = getattr(feature, "pooler_output", feature)[0].double().numpy()
+    feature = feature / np.linalg.norm(feature)
+    linears = [m for m in reward.head.layers if isinstance(m, torch.nn.Linear)]
+    assert [tuple(m.weight.shape) for m in linears] == [(16, 32), (8, 16), (8, 8), (4, 8), (1, 4)]
+    value = feature
+    for m in linears:
+        value = m.weight.detach().double().numpy() @ value + m.bias.detach().double().numpy()
+    return float(value[0])
+
+
+def test_aesthetic_score_is_the_head_on_the_normalised_clip_embedding(aesthetic, tmp_path):
+    from unirl_ray.rewards.image_model import AestheticReward
+
+    images = _images(5, seed=6)
+    scores = aesthetic(images=images, prompts=["ignored"] * 5)
+    for image, score in zip(images, scores):
+        assert score == pytest.approx(_aesthetic_by_hand(aesthetic, image), abs=1e-5)
+    assert all(4.0 < s < 6.0 for s in scores) and len(set(np.round(scores, 6))) > 1  # around the scale's middle
+    assert aesthetic(images=images) == scores  # the prompt plays no part
+    frames = _images(3, seed=7)  # a video: the mean over its frames
+    assert aesthetic(images=[frames]) == pytest.approx([float(np.mean(aesthetic(images=list(frames))))], abs=1e-6)
+
+    # a local folder: the vision tower, its processor and the head as safetensors, or the head as a .pth
+    # state dict (read with weights_only=True) with the published key names
+    aesthetic.save_pretrained(str(tmp_path / "aesthetic"))
+    loaded = AestheticReward(str(tmp_path / "aesthetic"), head=str(tmp_path / "aesthetic" / "aesthetic_head.safetensors"),
+                             device="cpu")
+    assert loaded(images=images) == pytest.approx(scores, abs=1e-6)
+    torch.save(aesthetic.head.state_dict(), tmp_path / "head.pth")
+    assert set(aesthetic.head.state_dict()) == {f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")}
+    from_pth = AestheticReward(str(tmp_path / "aesthetic"), head=str(tmp_path / "head.pth"), device="cpu")
+    assert from_pth(images=images) == pytest.approx(scores, abs=1e-6)
+
+    with pytest.raises(ValueError, match="exactly one of"):
+        AestheticReward()
+    with pytest.raises(ValueError, match="needs head="):
+        AestheticReward(str(tmp_path / "aesthetic"))
+    torch.save({"layers.0.weight": torch.zeros(4, 7), "layers.0.bias": torch.zeros(4)}, tmp_path / "wrong.pth")
+    with pytest.raises(ValueError, match="not an aesthetic head for 32-dim"):
+        AestheticReward(str(tmp_path / "aesthetic"), head=str(tmp_path / "wrong.pth"), device="cpu")
+    with pytest.raises(ValueError, match="uint8"):
+        aesthetic(images=[np.zeros((8, 8, 3), dtype=np.float32)])

@@ -21,7 +21,7 @@ from unirl_ray.rewards.image import (
     make_target_color,
     target_color,
 )
-from unirl_ray.rewards.image_model import CLIPScoreReward
+from unirl_ray.rewards.image_model import AestheticReward, CLIPScoreReward, PickScoreReward
 
 _SERVICE_NAMES = ("RewardService", "RewardClient", "RewardApp", "build_reward_app", "start_serve", "samples_to_inputs")
 
@@ -40,6 +40,8 @@ __all__ = [
     "make_target_color",
     "target_color",
     "CLIPScoreReward",
+    "PickScoreReward",
+    "AestheticReward",
     *_SERVICE_NAMES,
 ]
 

@@ -1,4 +1,6 @@
-"""A learned image reward: a CLIP text-image score (CLIPScore-style cosine similarity).
+"""Learned image rewards on CLIP: a text-image score (CLIPScore-style cosine similarity), a preference score
+(PickScore-style: the cosine times the model's learned ``logit_scale``) and a LAION-style aesthetic
+predictor (an MLP head on the CLIP image embedding).
 
 ``CLIPScoreReward`` is a reward fn class: name it in a reward recipe and every reward replica builds
 it once (its ``kwargs`` go to the constructor) and then calls it per batch::
@@ -23,6 +25,13 @@ score the mean over frames. The model and its ``CLIPProcessor`` come from a loca
 ``save_pretrained`` (no hub access at run time), or ``tiny=True``: a small random CLIP with the
 byte-level CLIP tokenizer of the tiny SD3 demo, for tests and CPU demos. torch and transformers are
 imported only when an instance is built.
+
+``PickScoreReward``: the same model class with PickScore's score, ``exp(logit_scale) * cos`` (a preference
+fine-tune of CLIP such as PickScore_v1, saved locally with its processor; ~18-23 on real images, higher is
+preferred). ``AestheticReward``: the LAION "improved aesthetic predictor": the L2-normalised image embedding
+of a CLIP vision tower with projection (``CLIPVisionModelWithProjection``, ViT-L/14 for the published head)
+through a linear head of 5 layers without activations, ``d -> 1024 -> 128 -> 64 -> 16 -> 1`` (dropout only in
+training); about 1-10 on real images (the AVA rating scale), higher is more aesthetic; it ignores the prompt.
 """
 
 from __future__ import annotations
@@ -152,3 +161,193 @@ class CLIPScoreReward:
         """Write model and processor to ``path`` (loadable with ``CLIPScoreReward(path)``)."""
         self.model.save_pretrained(path)
         self.processor.save_pretrained(path)
+
+
+class PickScoreReward(CLIPScoreReward):
+    """Reward fn: PickScore-style preference, ``exp(logit_scale) * cos(image, prompt)`` per sample (frames: mean).
+
+    The scale is the model's own learned temperature (100 for PickScore_v1 and OpenAI's CLIP; the tiny model
+    keeps ``CLIPConfig``'s initial ``exp(2.6592) = 14.28``) unless ``scale`` is given. Same arguments as ``CLIPScoreReward``.
+    """
+
+    def __init__(self, path: str | None = None, *, scale: float | None = None, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        if scale is None:
+            scale = float(self.model.logit_scale.detach().float().exp().item())
+        self.scale = float(scale)
+
+
+AESTHETIC_HEAD_DIMS = (1024, 128, 64, 16)
+"""Hidden widths of the LAION aesthetic head (its input is the CLIP embedding, 768 for ViT-L/14; output 1)."""
+
+
+def aesthetic_head(embed_dim: int, hidden: Sequence[int] = AESTHETIC_HEAD_DIMS) -> Any:
+    """The LAION aesthetic predictor's head: ``nn.Sequential`` of Linear layers with the published dropouts and
+    no activations; its state dict keys are ``layers.{0,2,4,6,7}.{weight,bias}`` inside the module ``layers``
+    (those of the published ``.pth``)."""
+    import torch
+
+    dims = [embed_dim, *hidden, 1]
+    dropouts = [0.2, 0.2, 0.1]  # after the first three layers, as published
+    modules: list[Any] = []
+    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+        modules.append(torch.nn.Linear(a, b))
+        if i < len(dropouts):
+            modules.append(torch.nn.Dropout(dropouts[i]))
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(*modules)
+
+        def forward(self, x: Any) -> Any:
+            return self.layers(x)
+
+    return Head()
+
+
+class AestheticReward:
+    """Reward fn ``(*, images, prompts, **columns) -> list[float]``: a LAION-style aesthetic score per image
+    (frames: the mean), from a CLIP vision tower's normalised image embedding and a linear head.
+
+    Calls are serialised by a lock (one forward at a time per replica).
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        head: str | None = None,
+        *,
+        tiny: bool = False,
+        seed: int = 0,
+        batch_size: int = 32,
+        device: str = "auto",
+        dtype: str | None = None,
+    ):
+        """
+        Args:
+            path: Local folder holding a ``CLIPVisionModelWithProjection`` (or a whole ``CLIPModel``) and its
+                ``CLIPImageProcessor`` (``save_pretrained`` output), e.g. openai/clip-vit-large-patch14.
+            head: The head's weights: a ``.safetensors`` file or a ``.pth`` state dict (read with
+                ``torch.load(weights_only=True)``: tensors only), keys ``layers.N.weight`` / ``layers.N.bias``
+                (or the same without ``layers.``). Required with ``path``.
+            tiny: Build a small random CLIP vision tower and head instead (tests, CPU demos).
+            seed: Weight seed of the tiny model and head.
+            batch_size: Images per forward pass.
+            device: ``"auto"`` (cuda when visible), ``"cpu"``, ``"cuda:0"``...
+            dtype: Weight dtype name of the vision tower (``"bfloat16"``); the head runs in float32.
+        """
+        if (path is None) == (not tiny):
+            raise ValueError("AestheticReward needs exactly one of path='/local/clip/folder' (with head=...) or tiny=True")
+        if path is not None and head is None:
+            raise ValueError("AestheticReward(path=...) needs head='/path/to/aesthetic_head.safetensors' (or a .pth state dict)")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        import torch
+
+        torch_dtype = getattr(torch, dtype) if dtype else torch.float32
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"dtype must name a torch dtype like 'bfloat16', got {dtype!r}")
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        """Where the model runs."""
+        self.batch_size = batch_size
+        """Images per forward pass."""
+        if tiny:
+            self.vision, self.processor, self.head = self._tiny(seed)
+        else:
+            self.vision, self.processor = self._load_vision(str(path))
+            self.head = self._load_head(str(head), self.vision.config.projection_dim)
+        self.vision.to(self.device, torch_dtype).eval()
+        self.head.to(self.device, torch.float32).eval()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _tiny(seed: int) -> tuple[Any, Any, Any]:
+        import torch
+        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        clip, processor = tiny_clip(seed=seed)
+        vision_cfg = CLIPVisionConfig(**clip.config.vision_config.to_dict())
+        vision_cfg.projection_dim = clip.config.projection_dim
+        vision = CLIPVisionModelWithProjection(vision_cfg)
+        vision.vision_model.load_state_dict(clip.vision_model.state_dict())
+        vision.visual_projection.load_state_dict(clip.visual_projection.state_dict())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            head = aesthetic_head(vision_cfg.projection_dim, hidden=(16, 8, 8, 4))
+            with torch.no_grad():  # a head whose scores sit around the published scale's middle
+                head.layers[-1].bias.fill_(5.0)
+        return vision, processor.image_processor, head
+
+    @staticmethod
+    def _load_vision(path: str) -> tuple[Any, Any]:
+        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+
+        path = os.path.abspath(os.path.expanduser(path))
+        if not os.path.isdir(path):
+            raise ValueError(f"CLIP folder not found: {path}; pass a local folder saved with save_pretrained")
+        return CLIPVisionModelWithProjection.from_pretrained(path), CLIPImageProcessor.from_pretrained(path)
+
+    @staticmethod
+    def _load_head(head: str, embed_dim: int) -> Any:
+        import torch
+
+        head = os.path.abspath(os.path.expanduser(head))
+        if not os.path.isfile(head):
+            raise ValueError(f"aesthetic head weights not found: {head}")
+        if head.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(head)
+        else:  # a published .pth: tensors only, never arbitrary pickled objects
+            state = torch.load(head, map_location="cpu", weights_only=True)
+        state = {k if k.startswith("layers.") else f"layers.{k}": v for k, v in state.items()}
+        widths = [state[f"layers.{i}.weight"].shape[0] for i in (0, 2, 4, 6)] if "layers.6.weight" in state else None
+        if widths is None or state["layers.0.weight"].shape[1] != embed_dim:
+            found = {k: tuple(v.shape) for k, v in state.items()}
+            raise ValueError(f"{head}: not an aesthetic head for {embed_dim}-dim CLIP embeddings (layers.0 .. layers.7 "
+                             f"Linear weights expected); found {found}")
+        module = aesthetic_head(embed_dim, hidden=widths)
+        module.load_state_dict(state)
+        return module
+
+    def embed(self, frames: Sequence[np.ndarray]) -> Any:
+        """L2-normalised image embeddings (float32 ``[N, d]``) of uint8 ``[H, W, 3]`` frames."""
+        import torch
+
+        pixels = self.processor(images=list(frames), return_tensors="pt")["pixel_values"]
+        out = self.vision(pixel_values=pixels.to(self.device, self.vision.dtype))
+        return torch.nn.functional.normalize(out.image_embeds.float(), dim=-1)
+
+    def __call__(self, *, images: Sequence[Any], prompts: Sequence[str] | None = None, **_: Any) -> list[float]:
+        """One score per sample: the head's output on its normalised image embedding (mean over frames)."""
+        import torch
+
+        if images is None:
+            raise ValueError("AestheticReward needs images=[one per sample] (image or video samples)")
+        frames, owner = [], []
+        for i, image in enumerate(images):
+            arr = np.asarray(image)
+            stack = arr[None] if arr.ndim == 3 else arr
+            if stack.ndim != 4 or stack.shape[-1] != 3 or stack.dtype != np.uint8:
+                raise ValueError(f"image {i}: expected uint8 [H, W, 3] or [F, H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
+            frames.extend(stack)
+            owner.extend([i] * len(stack))
+        scores = np.empty(len(frames), dtype=np.float64)
+        with self._lock, torch.inference_mode():
+            for lo in range(0, len(frames), self.batch_size):
+                hi = min(lo + self.batch_size, len(frames))
+                scores[lo:hi] = self.head(self.embed(frames[lo:hi])).squeeze(-1).cpu().numpy()
+        sums = np.bincount(owner, weights=scores, minlength=len(images))
+        counts = np.bincount(owner, minlength=len(images))
+        return [float(s / c) for s, c in zip(sums, counts)]
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the vision tower and its image processor to ``path`` and the head to
+        ``path/aesthetic_head.safetensors`` (loadable with ``AestheticReward(path, head=...)``)."""
+        from safetensors.torch import save_file
+
+        self.vision.save_pretrained(path)
+        self.processor.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()},
+                  os.path.join(path, "aesthetic_head.safetensors"))

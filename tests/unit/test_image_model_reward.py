@@ -147,6 +147,14 @@ def test_aesthetic_score_is_the_head_on_the_normalised_clip_embedding(aesthetic,
     assert set(aesthetic.head.state_dict()) == {f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")}
     from_pth = AestheticReward(str(tmp_path / "aesthetic"), head=str(tmp_path / "head.pth"), device="cpu")
     assert from_pth(images=images) == pytest.approx(scores, abs=1e-6)
+    # the tower may also come from a whole CLIPModel folder (as openai/clip-vit-large-patch14 is published)
+    from unirl_ray.rewards.image_model import tiny_clip
+
+    model, processor = tiny_clip()
+    model.save_pretrained(str(tmp_path / "clip_full"))
+    processor.save_pretrained(str(tmp_path / "clip_full"))
+    from_clip = AestheticReward(str(tmp_path / "clip_full"), head=str(tmp_path / "head.pth"), device="cpu")
+    assert from_clip(images=images) == pytest.approx(scores, abs=1e-6)
 
     with pytest.raises(ValueError, match="exactly one of"):
         AestheticReward()

@@ -43,6 +43,7 @@ def _real_recipes():
         ("sd3.5-medium", "sd3/sd3_5_medium_flowgrpo.yaml", DiffusionTrainer),
         ("sd3.5-medium", "sd3/sd3_5_medium_nft.yaml", DiffusionTrainer),
         ("sd3.5-medium", "sd3/sd3_5_medium_flowgrpo_async.yaml", AsyncDiffusionTrainer),
+        ("sd3.5-medium", "sd3/sd3_5_medium_pickscore_flowgrpo.yaml", DiffusionTrainer),
         ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_flowgrpo.yaml", DiffusionTrainer),
     ]
 
@@ -60,10 +61,14 @@ def test_configs_only_folders_pass_the_real_recipes_checks(tmp_path, monkeypatch
             assert component in index and (folder / component / "config.json").is_file()
         assert not list(folder.rglob("*.safetensors"))
         folders[family] = str(folder)
+    for name in ("PICKSCORE_MODEL", "CLIP_MODEL", "AESTHETIC_HEAD"):  # the reward models' folders (read by their replicas)
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
     for family, recipe, trainer_cls in _real_recipes():
         monkeypatch.setenv("PRETRAINED_MODEL", folders[family])
         trainer = trainer_cls(load_recipe(os.path.join(ROOT, "recipes", "diffusion", recipe)))
         assert not trainer.is_demo()
+        if "pickscore" in recipe:  # each reward model in its own Serve app
+            assert {suffix for suffix, _ in trainer.reward_cfg.placements()} >= {"-pickscore", "-aesthetic"}
     # the prompt enhancer's real recipe: a Qwen2.5 rewriter folder, SD3.5 Medium, a CLIP folder
     from unirl_ray.trainer.pe import PETrainer
 

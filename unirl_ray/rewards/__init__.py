@@ -22,6 +22,7 @@ from unirl_ray.rewards.image import (
     target_color,
 )
 from unirl_ray.rewards.image_model import AestheticReward, CLIPScoreReward, PickScoreReward
+from unirl_ray.rewards.ocr import OCRReward
 
 _SERVICE_NAMES = ("RewardService", "RewardClient", "RewardApp", "build_reward_app", "start_serve", "samples_to_inputs")
 
@@ -42,6 +43,7 @@ __all__ = [
     "CLIPScoreReward",
     "PickScoreReward",
     "AestheticReward",
+    "OCRReward",
     *_SERVICE_NAMES,
 ]
 

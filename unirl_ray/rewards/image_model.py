@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from unirl_ray.rewards._models import check_arguments, device_and_dtype, image_frames, mean_per_sample
+
 TINY_IMAGE_SIZE = 32
 """Input resolution of the tiny CLIP's vision tower (images are resized to it)."""
 
@@ -97,16 +99,8 @@ class CLIPScoreReward:
             device: ``"auto"`` (cuda when visible, e.g. with ``ray_actor_options.num_gpus``), ``"cpu"``, ``"cuda:0"``...
             dtype: Weight dtype name (``"bfloat16"``); None keeps float32.
         """
-        if (path is None) == (not tiny):
-            raise ValueError("CLIPScoreReward needs exactly one of path='/local/clip/folder' or tiny=True")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        import torch
-
-        torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype like 'bfloat16', got {dtype!r}")
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        check_arguments(type(self).__name__, path, tiny, "/local/clip/folder", batch_size=batch_size)
+        self.device, torch_dtype = device_and_dtype(device, dtype)
         """Where the model runs."""
         self.scale = float(scale)
         """Factor on the cosine similarity."""
@@ -132,15 +126,8 @@ class CLIPScoreReward:
         import torch
 
         if images is None or prompts is None or len(images) != len(prompts):
-            raise ValueError("CLIPScoreReward needs images=[one per sample] and prompts=[one per sample] (image samples)")
-        frames, owner = [], []
-        for i, image in enumerate(images):
-            arr = np.asarray(image)
-            stack = arr[None] if arr.ndim == 3 else arr
-            if stack.ndim != 4 or stack.shape[-1] != 3 or stack.dtype != np.uint8:
-                raise ValueError(f"image {i}: expected uint8 [H, W, 3] or [F, H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
-            frames.extend(stack)
-            owner.extend([i] * len(stack))
+            raise ValueError(f"{type(self).__name__} needs images=[one per sample] and prompts=[one per sample] (image samples)")
+        frames, owner = image_frames(images)
         texts = ["" if p is None else str(p) for p in prompts]
         cos = np.empty(len(frames), dtype=np.float64)
         with self._lock, torch.inference_mode():
@@ -153,9 +140,7 @@ class CLIPScoreReward:
                 image_emb = torch.nn.functional.normalize(out.image_embeds.float(), dim=-1)
                 text_emb = torch.nn.functional.normalize(out.text_embeds.float(), dim=-1)
                 cos[lo:hi] = (image_emb * text_emb).sum(-1).cpu().numpy()
-        sums = np.bincount(owner, weights=cos, minlength=len(images))
-        counts = np.bincount(owner, minlength=len(images))
-        return [float(self.scale * s / c) for s, c in zip(sums, counts)]
+        return [self.scale * m for m in mean_per_sample(cos, owner, len(images))]
 
     def save_pretrained(self, path: str) -> None:
         """Write model and processor to ``path`` (loadable with ``CLIPScoreReward(path)``)."""
@@ -237,18 +222,12 @@ class AestheticReward:
             device: ``"auto"`` (cuda when visible), ``"cpu"``, ``"cuda:0"``...
             dtype: Weight dtype name of the vision tower (``"bfloat16"``); the head runs in float32.
         """
-        if (path is None) == (not tiny):
-            raise ValueError("AestheticReward needs exactly one of path='/local/clip/folder' (with head=...) or tiny=True")
+        check_arguments("AestheticReward", path, tiny, "/local/clip/folder", batch_size=batch_size)
         if path is not None and head is None:
             raise ValueError("AestheticReward(path=...) needs head='/path/to/aesthetic_head.safetensors' (or a .pth state dict)")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         import torch
 
-        torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype like 'bfloat16', got {dtype!r}")
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        self.device, torch_dtype = device_and_dtype(device, dtype)
         """Where the model runs."""
         self.batch_size = batch_size
         """Images per forward pass."""
@@ -325,22 +304,13 @@ class AestheticReward:
 
         if images is None:
             raise ValueError("AestheticReward needs images=[one per sample] (image or video samples)")
-        frames, owner = [], []
-        for i, image in enumerate(images):
-            arr = np.asarray(image)
-            stack = arr[None] if arr.ndim == 3 else arr
-            if stack.ndim != 4 or stack.shape[-1] != 3 or stack.dtype != np.uint8:
-                raise ValueError(f"image {i}: expected uint8 [H, W, 3] or [F, H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
-            frames.extend(stack)
-            owner.extend([i] * len(stack))
+        frames, owner = image_frames(images)
         scores = np.empty(len(frames), dtype=np.float64)
         with self._lock, torch.inference_mode():
             for lo in range(0, len(frames), self.batch_size):
                 hi = min(lo + self.batch_size, len(frames))
                 scores[lo:hi] = self.head(self.embed(frames[lo:hi])).squeeze(-1).cpu().numpy()
-        sums = np.bincount(owner, weights=scores, minlength=len(images))
-        counts = np.bincount(owner, minlength=len(images))
-        return [float(s / c) for s, c in zip(sums, counts)]
+        return mean_per_sample(scores, owner, len(images))
 
     def save_pretrained(self, path: str) -> None:
         """Write the vision tower and its image processor to ``path`` and the head to

@@ -36,6 +36,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from unirl_ray.rewards._models import check_arguments
+
 logger = logging.getLogger(__name__)
 
 TINY_MAX_LENGTH = 512
@@ -101,12 +103,8 @@ class SequenceClassifierReward:
             max_length: Token limit per input (capped by the model's positions).
             template: Python format string with ``{prompt}`` and ``{completion}``.
         """
-        if (path is None) == (not tiny):
-            raise ValueError("SequenceClassifierReward needs exactly one of path='/local/model/folder' or tiny=True")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
+        check_arguments("SequenceClassifierReward", path, tiny, "/local/model/folder", batch_size=batch_size,
+                        max_length=max_length)
         if template is not None and ("{prompt}" not in template or "{completion}" not in template):
             raise ValueError(f"template must contain '{{prompt}}' and '{{completion}}', got {template!r}")
         import torch

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from unirl_ray.rewards._models import check_arguments, device_and_dtype, image_frames
+
 _QUOTED = re.compile(r'"([^"]*)"|\u201c([^\u201d]*)\u201d')
 
 
@@ -111,17 +113,8 @@ class OCRReward:
             device: ``"auto"`` (cuda when visible), ``"cpu"``, ``"cuda:0"``...
             dtype: Weight dtype name (``"bfloat16"``); None keeps float32.
         """
-        if (path is None) == (not tiny):
-            raise ValueError("OCRReward needs exactly one of path='/local/trocr/folder' or tiny=True")
-        for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        import torch
-
-        torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype like 'bfloat16', got {dtype!r}")
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        check_arguments("OCRReward", path, tiny, "/local/trocr/folder", batch_size=batch_size, max_new_tokens=max_new_tokens)
+        self.device, torch_dtype = device_and_dtype(device, dtype)
         """Where the model runs."""
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
         if tiny:
@@ -154,15 +147,7 @@ class OCRReward:
         if images is None or prompts is None or len(images) != len(prompts):
             raise ValueError("OCRReward needs images=[one per sample] and prompts=[one per sample] (image samples)")
         targets = [quoted_text(p) for p in prompts]
-        frames, owner = [], []
-        for i, image in enumerate(images):
-            arr = np.asarray(image)
-            stack = arr[None] if arr.ndim == 3 else arr
-            if stack.ndim != 4 or stack.shape[-1] != 3 or stack.dtype != np.uint8:
-                raise ValueError(f"image {i}: expected uint8 [H, W, 3] or [F, H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
-            if targets[i]:  # no target, nothing to read
-                frames.extend(stack)
-                owner.extend([i] * len(stack))
+        frames, owner = image_frames(images, keep=[bool(t) for t in targets])  # no target, nothing to read
         per_sample: dict[int, list[float]] = {}
         for i, text in zip(owner, self.read(frames) if frames else []):
             per_sample.setdefault(i, []).append(edit_similarity(text, targets[i]))

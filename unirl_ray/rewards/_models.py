@@ -30,15 +30,29 @@ def device_and_dtype(device: str, dtype: str | None) -> tuple[Any, Any]:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device), torch_dtype
 
 
+def frames_of(image: Any, index: int | None = None) -> np.ndarray:
+    """A sample's image as a uint8 ``[F, H, W, 3]`` stack (an image ``[H, W, 3]`` gives F = 1); a clear error for
+    anything else (``index``: the sample's place in its batch, named in the message)."""
+    where = "" if index is None else f"image {index}: "
+    arr = np.asarray(image)
+    stack = arr[None] if arr.ndim == 3 else arr
+    if stack.ndim != 4 or stack.shape[-1] != 3:
+        raise ValueError(f"{where}expected an image [H, W, 3] or frames [F, H, W, 3], got shape {tuple(arr.shape)}; "
+                         "decode images to RGB uint8 before scoring")
+    if stack.dtype != np.uint8:
+        raise ValueError(f"{where}expected uint8 pixels (a uint8 image [H, W, 3] or frames [F, H, W, 3]), got dtype "
+                         f"{arr.dtype}; convert with (x * 255).round().astype(np.uint8)")
+    if not len(stack):
+        raise ValueError(f"{where}a video with no frames, shape {tuple(arr.shape)}")
+    return stack
+
+
 def image_frames(images: Sequence[Any], keep: Sequence[bool] | None = None) -> tuple[list[np.ndarray], list[int]]:
-    """Every frame of every sample (an image ``[H, W, 3]`` is one frame, a video ``[F, H, W, 3]`` F frames), and
-    the sample each frame belongs to; samples whose ``keep`` is False are checked but give no frames."""
+    """Every frame of every sample (``frames_of``), and the sample each frame belongs to; samples whose ``keep``
+    is False are checked but give no frames."""
     frames, owner = [], []
     for i, image in enumerate(images):
-        arr = np.asarray(image)
-        stack = arr[None] if arr.ndim == 3 else arr
-        if stack.ndim != 4 or stack.shape[-1] != 3 or stack.dtype != np.uint8:
-            raise ValueError(f"image {i}: expected uint8 [H, W, 3] or [F, H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
+        stack = frames_of(image, i)
         if keep is None or keep[i]:
             frames.extend(stack)
             owner.extend([i] * len(stack))

@@ -19,28 +19,15 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from unirl_ray.rewards._models import frames_of
+
 JPEG_QUALITY = 95
 """DDPO's JPEG quality for the compressibility rewards."""
 
 
-def _frames(image: Any) -> np.ndarray:
-    """The image as a uint8 ``[F, H, W, 3]`` stack (a single image gives F = 1)."""
-    arr = np.asarray(image)
-    if arr.ndim == 3:
-        arr = arr[None]
-    if arr.ndim != 4 or arr.shape[-1] != 3:
-        raise ValueError(
-            f"expected an image [H, W, 3] or frames [F, H, W, 3], got shape {tuple(arr.shape)}; "
-            "decode images to RGB uint8 before scoring"
-        )
-    if arr.dtype != np.uint8:
-        raise ValueError(f"expected uint8 pixels, got dtype {arr.dtype}; convert with (x * 255).round().astype(np.uint8)")
-    return arr
-
-
 def _per_image(images: Sequence[Any], frame_score: Callable[[np.ndarray], float]) -> list[float]:
     """Apply ``frame_score`` to every frame of every image and average over frames."""
-    return [float(np.mean([frame_score(f) for f in _frames(img)])) for img in images]
+    return [float(np.mean([frame_score(f) for f in frames_of(img)])) for img in images]
 
 
 def _jpeg_kb(frame: np.ndarray) -> float:

@@ -90,11 +90,26 @@ def _score(reply: str | None, scale: float) -> float | None:
     return min(1.0, max(0.0, float(found.group()) / scale))
 
 
-def _judge_all(n: int, concurrency: int, one: Callable[[int], float | None]) -> list[float | None]:
-    if not n:
+def _judge(
+    who: str, count: int, content: Callable[[int], Any], *, base_url: str, model: str, scale: float, max_tokens: int,
+    timeout_s: float, concurrency: int, api_key_env: str | None, max_retries: int,
+) -> list[float | None]:
+    """Ask the endpoint about samples ``0 .. count - 1`` (``content(i)``: the user message's content), ``concurrency``
+    at a time, greedily; each reply's score, or None."""
+    if scale <= 0:
+        raise ValueError(f"{who}: scale must be > 0, got {scale}")
+    url = base_url.rstrip("/") + "/chat/completions"
+    headers = _headers(api_key_env, who)
+
+    def one(i: int) -> float | None:
+        payload = {"model": model, "messages": [{"role": "user", "content": content(i)}], "temperature": 0.0,
+                   "max_tokens": max_tokens}
+        return _score(_ask(url, headers, payload, timeout_s, max_retries), scale)
+
+    if not count:
         return []
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(concurrency, n))) as pool:
-        return list(pool.map(one, range(n)))
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(concurrency, count))) as pool:
+        return list(pool.map(one, range(count)))
 
 
 def llm_judge(
@@ -114,31 +129,25 @@ def llm_judge(
     **_: Any,
 ) -> list[float | None]:
     """One judge score in [0, 1] per completion, or None where the judge gave none (module docstring)."""
-    if scale <= 0:
-        raise ValueError(f"llm_judge: scale must be > 0, got {scale}")
-    url = base_url.rstrip("/") + "/chat/completions"
-    headers = _headers(api_key_env, "llm_judge")
     refs = list(answer) if answer is not None else [""] * len(completions)
 
-    def one(i: int) -> float | None:
-        content = template.format(prompt=prompts[i], completion=completions[i], answer=refs[i] if refs[i] is not None else "")
-        payload = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0.0,
-                   "max_tokens": max_tokens}
-        return _score(_ask(url, headers, payload, timeout_s, max_retries), scale)
+    def content(i: int) -> str:
+        return template.format(prompt=prompts[i], completion=completions[i], answer=refs[i] if refs[i] is not None else "")
 
-    return _judge_all(len(completions), concurrency, one)
+    return _judge("llm_judge", len(completions), content, base_url=base_url, model=model, scale=scale,
+                  max_tokens=max_tokens, timeout_s=timeout_s, concurrency=concurrency, api_key_env=api_key_env,
+                  max_retries=max_retries)
 
 
-def image_data_urls(image: Any, max_frames: int = 4) -> list[str]:
+def image_data_urls(image: Any, max_frames: int = 4, index: int | None = None) -> list[str]:
     """``data:image/png;base64,...`` URLs of a uint8 ``[H, W, 3]`` image, or of up to ``max_frames`` frames of a
-    ``[F, H, W, 3]`` video spread evenly over it (first and last included), in order."""
-    import numpy as np
+    ``[F, H, W, 3]`` video spread evenly over it (first and last included), in order (``index``: the sample's
+    place in its batch, for the error message)."""
     from PIL import Image
 
-    arr = np.asarray(image)
-    stack = arr[None] if arr.ndim == 3 else arr
-    if stack.ndim != 4 or stack.shape[-1] != 3 or stack.dtype != np.uint8 or not len(stack):
-        raise ValueError(f"vlm_judge: expected a uint8 image [H, W, 3] or frames [F, H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
+    from unirl_ray.rewards._models import frames_of  # numpy: imported when images are judged
+
+    stack = frames_of(image, index)
     if max_frames < 1:
         raise ValueError(f"vlm_judge: max_frames must be >= 1, got {max_frames}")
     picks = sorted({round(k * (len(stack) - 1) / max(1, max_frames - 1)) for k in range(min(max_frames, len(stack)))})
@@ -167,19 +176,14 @@ def vlm_judge(
     **_: Any,
 ) -> list[float | None]:
     """One judge score in [0, 1] per image (or video), or None where the judge gave none (module docstring)."""
-    if scale <= 0:
-        raise ValueError(f"vlm_judge: scale must be > 0, got {scale}")
     if images is None or prompts is None or len(images) != len(prompts):
         raise ValueError("vlm_judge needs images=[one per sample] and prompts=[one per sample] (image samples)")
-    url = base_url.rstrip("/") + "/chat/completions"
-    headers = _headers(api_key_env, "vlm_judge")
-    pictures = [image_data_urls(image, max_frames) for image in images]  # bad input fails the batch, before any request
+    pictures = [image_data_urls(image, max_frames, i) for i, image in enumerate(images)]  # bad input: before any request
 
-    def one(i: int) -> float | None:
-        content = [{"type": "text", "text": template.format(prompt=prompts[i])}]
-        content += [{"type": "image_url", "image_url": {"url": u}} for u in pictures[i]]
-        payload = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0.0,
-                   "max_tokens": max_tokens}
-        return _score(_ask(url, headers, payload, timeout_s, max_retries), scale)
+    def content(i: int) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": template.format(prompt=prompts[i])},
+                *({"type": "image_url", "image_url": {"url": u}} for u in pictures[i])]
 
-    return _judge_all(len(images), concurrency, one)
+    return _judge("vlm_judge", len(images), content, base_url=base_url, model=model, scale=scale,
+                  max_tokens=max_tokens, timeout_s=timeout_s, concurrency=concurrency, api_key_env=api_key_env,
+                  max_retries=max_retries)

@@ -147,12 +147,12 @@ class OCRReward:
         if images is None or prompts is None or len(images) != len(prompts):
             raise ValueError("OCRReward needs images=[one per sample] and prompts=[one per sample] (image samples)")
         targets = [quoted_text(p) for p in prompts]
-        frames, owner = image_frames(images, keep=[bool(t) for t in targets])  # no target, nothing to read
+        has_target = [bool(t and _normalise(t)) for t in targets]
+        frames, owner = image_frames(images, keep=has_target)  # no target, nothing to read
         per_sample: dict[int, list[float]] = {}
         for i, text in zip(owner, self.read(frames) if frames else []):
-            per_sample.setdefault(i, []).append(edit_similarity(text, targets[i]))
-        return [float(np.mean(per_sample[i])) if i in per_sample and None not in per_sample[i] else None
-                for i in range(len(images))]
+            per_sample.setdefault(i, []).append(edit_similarity(text, targets[i]))  # a float: the target is not empty
+        return [float(np.mean(per_sample[i])) if ok else None for i, ok in enumerate(has_target)]
 
     def save_pretrained(self, path: str) -> None:
         """Write model and processor to ``path`` (loadable with ``OCRReward(path)``)."""

@@ -180,20 +180,44 @@ def assert_same_steps(got, want):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
 
 
-def test_async_trainer_at_max_staleness_zero_reproduces_the_synchronous_run(separate_engine_run, tmp_path):
+def test_async_trainer_at_max_staleness_zero_on_an_attached_engine_app_reproduces_the_synchronous_run(
+        separate_engine_run, tmp_path):
     """The async trainer (rollout stream, cache and version gate) with ``max_staleness=0`` on the separate
-    run's recipe and seed: every sample is of the trained version, and the steps are the synchronous ones."""
+    run's recipe and seed, rolling out on an engine app started on its own from ``serve_apps/engine.yaml``'s
+    builder (``rollout.attach``): every sample is of the trained version, and the steps are the synchronous
+    ones. A recipe whose model the app does not serve is refused before any worker starts; at the end the
+    app is still running and serves the last version."""
+    from ray import serve
+
+    from serve_apps.engine_app import app_builder
+    from unirl_ray.runtime.serve import delete_apps
     from unirl_ray.trainer.async_rl import AsyncARTrainer
 
-    steps = 3
-    zero = make(AsyncARTrainer, ENGINE, tmp_path, "async-zero", f"trainer.num_steps={steps}",
-                "trainer.checkpoint_every=100", TIED, *ONE_WORKER, "tracking.log_samples_every=0",
-                "+async_rollout={_target_: unirl_ray.trainer.async_rl.AsyncConfig, max_staleness: 0}", experiment="e2e-ar")
-    zero.fit()
-    assert history(zero, "async/staleness_max") == [0.0] * steps
-    keys = ("reward/mean", "rollout/response_len_mean", "train/loss", "train/grad_norm", "rollout/logp_gap")
-    logged_steps = [dict(zip(keys, values)) for values in zip(*(history(zero, k) for k in keys), strict=True)]
-    assert_same_steps(logged_steps, separate_engine_run[1][:steps])
+    serve.run(app_builder({"recipe": ENGINE, "overrides": [TIED], "name": "engine-app"}), name="engine-app",
+              route_prefix=None)
+    try:
+        other = make(ARTrainer, ENGINE, tmp_path, "other-model", "trainer.num_steps=1", TIED, *ONE_WORKER,
+                     "rollout.attach=engine-app", "pipeline.max_new_tokens=7")
+        with pytest.raises(ValueError, match=r"serves another model than this recipe's: pipeline.max_new_tokens: "
+                                             r"served \d+, recipe 7"):
+            other.fit()
+        assert getattr(other, "group", None) is None  # refused before the train workers started
+
+        steps = 3
+        zero = make(AsyncARTrainer, ENGINE, tmp_path, "async-zero", f"trainer.num_steps={steps}",
+                    "trainer.checkpoint_every=100", TIED, *ONE_WORKER, "tracking.log_samples_every=0",
+                    "rollout.attach=engine-app",
+                    "+async_rollout={_target_: unirl_ray.trainer.async_rl.AsyncConfig, max_staleness: 0}",
+                    experiment="e2e-ar")
+        zero.fit()
+        assert history(zero, "async/staleness_max") == [0.0] * steps
+        keys = ("reward/mean", "rollout/response_len_mean", "train/loss", "train/grad_norm", "rollout/logp_gap")
+        logged_steps = [dict(zip(keys, values)) for values in zip(*(history(zero, k) for k in keys), strict=True)]
+        assert_same_steps(logged_steps, separate_engine_run[1][:steps])
+        assert "engine-app" in serve.status().applications  # left running, with the last version
+        assert serve.get_app_handle("engine-app").status.remote().result(timeout_s=30)["version"] == steps
+    finally:
+        delete_apps(["engine-app"])
 
 
 def test_a_failed_worker_start_leaves_no_serve_app(ray_local, tmp_path):

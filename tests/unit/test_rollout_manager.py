@@ -216,6 +216,44 @@ def test_each_trajectory_has_its_own_python_process_and_it_ends_with_the_traject
     m.shutdown()
 
 
+def test_single_turn_batches_are_in_order_tracked_for_quiesce_and_checked():
+    """``generate`` (the ar / diffusion / pe / unified trainers' mode): the engine's samples in request order;
+    ``quiesce`` waits while a batch is in flight (and says so past its timeout); a short or reordered answer
+    is refused; ``run`` without an environment says what it needs."""
+    tok = build_char_tokenizer()
+    release = threading.Event()
+
+    class Held(ScriptedEngine):
+        def generate(self, requests, min_version=None):
+            self.min_version = min_version
+            release.wait(10)
+            return super().generate(requests)[: self.keep]
+
+    engine = Held(tok, lambda prompt, context: "ok")
+    engine.keep = None
+    m = RolloutManager(engine)
+    reqs = [{**r, "prompt_ids": tok("q", add_special_tokens=False)["input_ids"]} for r in requests(["a", "b"])]
+    result = []
+    worker = threading.Thread(target=lambda: result.append(m.generate(reqs, min_version=4)))
+    worker.start()
+    time.sleep(0.2)
+    with pytest.raises(TimeoutError, match="still in flight"):
+        m.quiesce(0.2)
+    release.set()
+    m.quiesce(5.0)
+    worker.join(5)
+    assert [s.sample_id for s in result[0]] == ["s1-0", "s1-1"] and engine.min_version == 4
+    engine.keep = 1
+    with pytest.raises(RuntimeError, match="out of order or incompletely"):
+        m.generate(reqs)
+    with pytest.raises(RuntimeError, match="make_env"):
+        m.run(reqs)
+    with pytest.raises(RuntimeError, match="stream mode"):
+        m.take(1)
+    assert m.close_stream("nothing ran") is None
+    m.shutdown()
+
+
 def test_a_context_over_the_limit_ends_the_trajectory_and_a_long_prompt_fails_it():
     tok = build_char_tokenizer()
     engine = ScriptedEngine(tok, script)

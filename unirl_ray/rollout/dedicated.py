@@ -46,6 +46,12 @@ class DedicatedRollout:
     """Longest wait for one engine call or for the app to become ready."""
     max_retries: int = 3
     """Retries of a failed engine call (e.g. a replica that died) before the step fails."""
+    attach: str | None = None
+    """Name of an engine app already running on the cluster (``serve deploy serve_apps/engine.yaml``) to roll
+    out on instead of deploying one: it must serve the recipe's model (checked before the workers start);
+    the trainer pushes its weights to it, leaves it running at the end (serving the last version) and
+    never deletes it. Its replicas and resources are the app's own (``num_replicas`` here must say how many
+    it has: it sizes the calls in flight)."""
     placement: Literal["separate", "colocated"] = "separate"
     """``separate``: the engine has its own devices and stays resident. ``colocated``: the engine shares
     the train workers' devices (e.g. ``num_gpus: 0.5`` on both sides) and they take turns: before a
@@ -68,8 +74,17 @@ class DedicatedRollout:
                 )
         if self.num_replicas < 1 or self.requests_per_call < 1:
             raise ValueError("rollout.num_replicas and rollout.requests_per_call must be >= 1")
+        if self.attach is not None and (not isinstance(self.attach, str) or not self.attach.strip()):
+            raise ValueError(f"rollout.attach must be the name of a running engine app, got {self.attach!r}")
+        if self.attach and self.placement == "colocated":
+            raise ValueError(f"rollout.attach={self.attach!r} with placement=colocated: an engine app that runs on "
+                             "its own cannot take turns with the train workers on their devices; use placement: "
+                             "separate, or drop attach so that the trainer deploys a colocated engine itself")
 
     def resources(self) -> dict[str, float]:
+        """What the engine's replicas reserve (nothing for an attached app: it already runs)."""
+        if self.attach:
+            return {}
         opts = self.ray_actor_options or {}
         need = {"CPU": float(opts.get("num_cpus", 1)) * self.num_replicas}
         if opts.get("num_gpus"):
@@ -81,36 +96,25 @@ class DedicatedEngine:
     """Driver-side: deploy, publish weights, generate, shut down."""
 
     def __init__(self, cfg: DedicatedRollout, app_name: str, handle: Any, store: Any,
-                 store_id: tuple[str, str] | None = None) -> None:
+                 store_id: tuple[str, str] | None = None, *, attached: bool = False) -> None:
         self.cfg, self.app_name, self.handle, self.store = cfg, app_name, handle, store
         self.store_id = store_id  # (name, namespace) of store: where the train ranks stage what they export
+        self.attached = attached  # a running app this run rolls out on (rollout.attach): never deleted by it
         self.version = -1
         self.checksum: str | None = None
 
     @classmethod
     def deploy(cls, cfg: DedicatedRollout, *, app_name: str, sections: dict[str, Any], seed: int) -> "DedicatedEngine":
-        from ray import serve
-
-        from unirl_ray.config.recipe import locate
-        from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, delete_apps, run_app, start_serve
+        """Deploy the engine app (or, with ``cfg.attach``, attach to the running one: ``connect``)."""
+        if cfg.attach:
+            return cls.connect(cfg, sections=sections)
+        from unirl_ray.runtime.serve import delete_apps, run_app, start_serve
         from unirl_ray.runtime.train_group import NAMESPACE
 
         start_serve(None)
-        store_name = f"{app_name}-weights"
-        store = create_weight_store(store_name, NAMESPACE)
-        body = locate(_ENGINES[cfg.engine])
-        deployment = serve.deployment(body, name="RolloutEngine").options(
-            num_replicas=cfg.num_replicas,
-            ray_actor_options=dict(cfg.ray_actor_options),
-            max_ongoing_requests=cfg.max_ongoing_requests,
-            graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
-            logging_config={"enable_access_log": False},  # no access-log line per generate call
-        )
+        store = create_weight_store(f"{app_name}-weights", NAMESPACE)
         t0 = time.perf_counter()
-        extra = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}
-        if cfg.engine == "vllm" and cfg.placement == "colocated":
-            extra["colocated"] = True
-        app = deployment.bind(sections, (store_name, NAMESPACE), seed, **extra)
+        app = engine_app(cfg, sections=sections, seed=seed, app_name=app_name)
         try:
             handle = run_app(app, app_name, route_prefix=None, timeout_s=cfg.timeout_s)
         except TimeoutError:
@@ -120,7 +124,36 @@ class DedicatedEngine:
                 f"replica(s) x {cfg.ray_actor_options}; check free resources with `ray status`"
             ) from None
         log.info("rollout engine %r ready in %.1fs (%d replicas)", app_name, time.perf_counter() - t0, cfg.num_replicas)
-        return cls(cfg, app_name, handle, store, (store_name, NAMESPACE))
+        return cls(cfg, app_name, handle, store, (f"{app_name}-weights", NAMESPACE))
+
+    @classmethod
+    def connect(cls, cfg: DedicatedRollout, *, sections: dict[str, Any], timeout_s: float = 60.0) -> "DedicatedEngine":
+        """Attach to the running engine app ``cfg.attach`` after checking that it serves ``sections`` (the
+        recipe's model, pipeline and adapter structure); ``ValueError`` saying what differs otherwise."""
+        from ray import serve
+
+        from unirl_ray.runtime.serve import start_serve
+        from unirl_ray.runtime.train_group import NAMESPACE
+
+        start_serve(None)  # (keeps the settings of a Serve that already runs)
+        name = str(cfg.attach)
+        running = dict(serve.status().applications)
+        if name not in running:
+            raise ValueError(f"rollout.attach={name!r}: no Serve app of that name is running (running: "
+                             f"{sorted(running) or 'none'}); start one with `serve deploy serve_apps/engine.yaml`")
+        handle = serve.get_app_handle(name)
+        try:
+            described = handle.describe.remote().result(timeout_s=timeout_s)
+        except AttributeError:
+            raise ValueError(f"rollout.attach={name!r} is not a rollout engine app (it has no describe())") from None
+        differ = section_differences(described.get("sections") or {}, sections)
+        if differ:
+            raise ValueError(f"rollout.attach={name!r} serves another model than this recipe's: "
+                             + "; ".join(differ[:6]) + ". Deploy the engine app from this recipe "
+                             "(serve_apps/engine.yaml: recipe / overrides) or attach to one that was")
+        store = create_weight_store(f"{name}-weights", NAMESPACE)  # its replicas look it up by this name
+        log.info("attached to rollout engine app %r (%s)", name, described.get("engine"))
+        return cls(cfg, name, handle, store, (f"{name}-weights", NAMESPACE), attached=True)
 
     @property
     def colocated(self) -> bool:
@@ -204,8 +237,8 @@ class DedicatedEngine:
         return self.handle.broadcast("status").results(timeout_s=60)
 
     def app_names(self) -> list[str]:
-        """The Serve app of this engine."""
-        return [self.app_name]
+        """The Serve app this run deployed (none for an attached one: it keeps running)."""
+        return [] if self.attached else [self.app_name]
 
     def shutdown(self) -> None:
         import ray
@@ -213,13 +246,48 @@ class DedicatedEngine:
         from unirl_ray.runtime.serve import delete_apps
 
         try:
-            delete_apps([self.app_name])
+            delete_apps(self.app_names())
         except Exception as exc:  # noqa: BLE001 - best effort at teardown
             log.warning("deleting rollout app %s: %s", self.app_name, exc)
         try:
             ray.kill(self.store)
         except Exception:  # noqa: BLE001
             pass
+
+
+def engine_app(cfg: DedicatedRollout, *, sections: dict[str, Any], seed: int, app_name: str) -> Any:
+    """The bound engine deployment of ``cfg`` serving ``sections`` (unstarted): what ``DedicatedEngine.deploy``
+    runs, and what ``serve_apps/engine_app.py`` gives ``serve run`` / ``serve deploy``. Its replicas catch up
+    from the weight store named ``<app_name>-weights``."""
+    from ray import serve
+
+    from unirl_ray.config.recipe import locate
+    from unirl_ray.runtime.serve import SHUTDOWN_POLL_S
+    from unirl_ray.runtime.train_group import NAMESPACE
+
+    deployment = serve.deployment(locate(_ENGINES[cfg.engine]), name="RolloutEngine").options(
+        num_replicas=cfg.num_replicas,
+        ray_actor_options=dict(cfg.ray_actor_options),
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+        logging_config={"enable_access_log": False},  # no access-log line per generate call
+    )
+    extra: dict[str, Any] = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}
+    if cfg.engine == "vllm" and cfg.placement == "colocated":
+        extra["colocated"] = True
+    return deployment.bind(sections, (f"{app_name}-weights", NAMESPACE), seed, **extra)
+
+
+def section_differences(served: Any, wanted: Any, where: str = "") -> list[str]:
+    """Where two engine section trees differ, as ``key: served X, recipe Y`` lines (empty: the same)."""
+    if isinstance(served, dict) and isinstance(wanted, dict):
+        out: list[str] = []
+        for key in sorted(set(served) | set(wanted), key=str):
+            out += section_differences(served.get(key), wanted.get(key), f"{where}.{key}" if where else str(key))
+        return out
+    if isinstance(served, (list, tuple)) and isinstance(wanted, (list, tuple)) and len(served) == len(wanted):
+        return [d for i, (a, b) in enumerate(zip(served, wanted)) for d in section_differences(a, b, f"{where}[{i}]")]
+    return [] if served == wanted else [f"{where or 'sections'}: served {served!r}, recipe {wanted!r}"]
 
 
 class EngineSet:

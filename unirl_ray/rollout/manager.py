@@ -1,6 +1,20 @@
-"""``RolloutManager``: multi-turn trajectories over a dedicated engine, in barrier batches.
+"""``RolloutManager``: the one way a trainer rolls out on a dedicated engine, in three modes.
 
-One ``run(requests)`` takes a step's requests (each prompt ``group_size`` times) and returns one finished
+- ``generate(requests)``: a barrier batch of single-turn samples (ar, diffusion, pe, unified_model): the
+  engine splits it over its replicas (``requests_per_call`` per call, ``max_ongoing_requests`` per
+  replica); only the whole batch, in request order, comes back.
+- ``run(requests)``: a barrier batch of multi-turn trajectories (agentic), below.
+- ``stream(...)``: the async trainers' mode: a Ray Data stream of steps feeds a bounded sample cache
+  while the trainer trains; a version gate admits a step's batch only once its weights are recent
+  enough (``rollout.async_stream``); the trainer ``take``s each step's batch and ``publish``es versions.
+
+In every mode every generated sample (and Part) carries the policy version that produced it, and
+``quiesce()`` is called before every weight sync: in the barrier modes it waits until no engine call of
+this manager is in flight; in stream mode the replicas themselves load new weights only after the
+generation they are running (their lock), and ``partial_rollout`` decides what becomes of a batch that
+straddles an update.
+
+Multi-turn trajectories: one ``run(requests)`` takes a step's requests (each prompt ``group_size`` times) and returns one finished
 trajectory per request, so only complete groups leave it. Inside, every trajectory is a small state machine:
 
     reset(row) -> [engine turn -> environment step (tools)]* -> answer
@@ -114,13 +128,17 @@ class Trajectory:
 
 
 class RolloutManager:
-    """Runs a step's trajectories to the end over ``engine`` (a ``DedicatedEngine``); see the module docstring."""
+    """Rolls a trainer's requests out on ``engine`` (a ``DedicatedEngine``); see the module docstring.
 
-    def __init__(self, engine: Any, *, make_env: Callable[[], Environment], tokenizer: Any,
-                 max_context_tokens: int, cfg: AgentRolloutConfig | None = None,
+    ``make_env`` / ``tokenizer`` / ``max_context_tokens`` are needed only by ``run`` (multi-turn)."""
+
+    def __init__(self, engine: Any, *, make_env: Callable[[], Environment] | None = None, tokenizer: Any = None,
+                 max_context_tokens: int = 0, cfg: AgentRolloutConfig | None = None,
                  turn_seed: Callable[[int, int], int] | None = None) -> None:
         self.engine, self.make_env, self.tokenizer = engine, make_env, tokenizer
         self.max_context_tokens, self.cfg = int(max_context_tokens), cfg or AgentRolloutConfig()
+        self.active_stream: Any = None
+        """The ``RolloutStream`` while in stream mode (``stream`` .. ``close_stream``), else None."""
         self.turn_seed = turn_seed or (lambda seed, turn: (int(seed) * 1_000_003 + turn) % (2**31 - 1))
         replicas = int(engine.cfg.num_replicas)
         self.max_open = self.cfg.max_in_flight_per_replica * replicas
@@ -133,9 +151,62 @@ class RolloutManager:
         self.peak_open = 0
         self.peak_calls = 0
 
-    # ------------------------------------------------------------------ one barrier batch
+    # ------------------------------------------------------------------ single-turn barrier batch
+    def generate(self, requests: list[dict[str, Any]], *, min_version: int | None = None) -> list[Sample]:
+        """One sample per request (in request order), from the engine's current version (or ``min_version`` or a
+        newer one); counted as in flight for ``quiesce`` until it returns."""
+        if self.active_stream is not None:
+            raise RuntimeError("this RolloutManager is in stream mode: take() the stream's batches instead")
+        future = self._engine_pool.submit(self.engine.generate, requests, min_version=min_version)
+        self._track(future)
+        samples = future.result()  # bounded by the engine's own per-call timeout and retries
+        if [s.sample_id for s in samples] != [r["sample_id"] for r in requests]:
+            raise RuntimeError("the engine returned samples out of order or incompletely")
+        return samples
+
+    # ------------------------------------------------------------------ stream mode (async trainers)
+    def stream(self, requests: dict[int, list[dict[str, Any]]], *, version: int, max_staleness: int,
+               partial_rollout: str, timeout_s: float, reward: Any, gate_name: str, namespace: str) -> Any:
+        """Enter stream mode: every step's ``requests`` flow through the version gate, the engine and the
+        reward app into the bounded cache (``rollout.async_stream``); returns the stream (its counters)."""
+        from unirl_ray.rollout.async_stream import RolloutStream
+
+        if self.active_stream is not None:
+            raise RuntimeError("a stream is already running on this RolloutManager; close_stream() it first")
+        self.active_stream = RolloutStream(
+            engine=self.engine, reward=reward, requests=requests, version=version, max_staleness=max_staleness,
+            partial_rollout=partial_rollout, timeout_s=timeout_s, gate_name=gate_name, namespace=namespace)
+        return self.active_stream
+
+    def take(self, step: int) -> Any:
+        """Step ``step``'s scored batch (an ``async_stream.Entry``) once the stream has it."""
+        if self.active_stream is None:
+            raise RuntimeError("take() needs stream mode: call stream() first")
+        return self.active_stream.take(step)
+
+    def publish(self, version: int) -> None:
+        """Every replica serves ``version`` (verified): in stream mode the gate now admits batches that need it."""
+        if self.active_stream is not None:
+            self.active_stream.publish(version)
+
+    def fail_stream(self, error: BaseException) -> None:
+        """The trainer's next ``take`` raises ``error`` (a weight publish failed: the gate stays shut)."""
+        if self.active_stream is not None:
+            self.active_stream.cache.fail(error)
+
+    def close_stream(self, reason: str) -> dict[str, int] | None:
+        """Leave stream mode; what was left unused (``{"steps", "samples"}``), None if no stream ran."""
+        stream, self.active_stream = self.active_stream, None
+        return None if stream is None else stream.close(reason)
+
+    # ------------------------------------------------------------------ multi-turn barrier batch
     def run(self, requests: list[dict[str, Any]]) -> list[Trajectory]:
         """Every request's trajectory, finished (in request order); only returns once all are done."""
+        if self.make_env is None or self.tokenizer is None or self.max_context_tokens <= 0:
+            raise RuntimeError("run() drives multi-turn trajectories: build the RolloutManager with make_env, "
+                               "tokenizer and max_context_tokens")
+        if self.active_stream is not None:
+            raise RuntimeError("this RolloutManager is in stream mode: take() the stream's batches instead")
         waiting = list(requests)
         open_: list[Trajectory] = []
         done: dict[str, Trajectory] = {}
@@ -155,9 +226,7 @@ class RolloutManager:
                 batch, ready = ready[: self.per_call], ready[self.per_call :]
                 future = self._engine_pool.submit(self.engine.generate, [self._turn_request(t) for t in batch])
                 calls[future] = batch
-                with self._calls_lock:
-                    self._engine_calls.add(future)
-                future.add_done_callback(self._call_done)
+                self._track(future)
             self.peak_calls = max(self.peak_calls, len(calls))
             pending = set(calls) | set(steps)
             now = time.monotonic()
@@ -179,7 +248,8 @@ class RolloutManager:
         return [done[r["sample_id"]] for r in requests]
 
     def quiesce(self, timeout_s: float | None = None) -> None:
-        """Wait until no engine call is in flight (before a weight sync); ``TimeoutError`` past ``timeout_s``."""
+        """Before a weight sync: wait until no engine call of a barrier batch is in flight; ``TimeoutError`` past
+        ``timeout_s``. (Stream mode: see the module docstring.)"""
         timeout_s = float(self.engine.cfg.timeout_s) if timeout_s is None else timeout_s
         with self._calls_lock:
             in_flight = list(self._engine_calls)
@@ -188,11 +258,20 @@ class RolloutManager:
             raise TimeoutError(f"{len(still)} engine call(s) still in flight after {timeout_s:.0f}s; "
                                "the weights are not synced while the engine samples")
 
+    def _track(self, future: cf.Future) -> None:
+        with self._calls_lock:
+            self._engine_calls.add(future)
+        future.add_done_callback(self._call_done)
+
     def _call_done(self, future: cf.Future) -> None:
         with self._calls_lock:
             self._engine_calls.discard(future)
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "the trainer stopped") -> None:
+        try:
+            self.close_stream(reason)
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.warning("closing the rollout stream: %s", exc)
         self._engine_pool.shutdown(wait=False, cancel_futures=True)
         self._tool_pool.shutdown(wait=False, cancel_futures=True)
 

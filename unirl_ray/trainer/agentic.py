@@ -137,33 +137,17 @@ class AgenticTrainer(ARTrainer):
         return TurnCredit(self.algorithm) if self.run_cfg.credit == "turn" else super().make_credit()
 
     # -------------------------------------------------------------- services
-    def start_workers(self) -> dict[str, Any]:
+    def make_manager(self, engine: Any) -> Any:
+        """The engine's RolloutManager runs whole trajectories (RLTrainer quiesces it before every sync)."""
         from unirl_ray.rollout.manager import RolloutManager
 
-        announced = super().start_workers()
-        self.manager = RolloutManager(
-            self.engine, make_env=self.make_environment, tokenizer=self.tokenizer,
-            max_context_tokens=self.max_context_tokens, cfg=self.agent_cfg,
-            turn_seed=lambda seed, turn: derive_seed(seed, "turn", turn))
-        return announced
-
-    def stop_services(self) -> None:
-        manager = getattr(self, "manager", None)
-        if manager is not None:
-            manager.shutdown()
-        super().stop_services()
-
-    def sync_engines(self, step: int) -> dict[str, float]:
-        if self.engine is not None and self.sync.due(step):
-            self.manager.quiesce()  # no turn is sampled while the weights change
-        return super().sync_engines(step)
+        return RolloutManager(engine, make_env=self.make_environment, tokenizer=self.tokenizer,
+                              max_context_tokens=self.max_context_tokens, cfg=self.agent_cfg,
+                              turn_seed=lambda seed, turn: derive_seed(seed, "turn", turn))
 
     # ------------------------------------------------------------- one step
     def rollout(self, requests: list[dict[str, Any]]) -> list[Sample]:
-        if self.engine.colocated:
-            trajectories = self.colocated_rollout(requests, generate=self.manager.run)
-        else:
-            trajectories = self.manager.run(requests)
+        trajectories = self.on_engine(self.engine, requests, trajectories=True)
         self.trajectories = trajectories
         filler = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id)
         return [t.to_sample(filler) for t in trajectories]

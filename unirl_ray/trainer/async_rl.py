@@ -4,8 +4,9 @@ samples, bounded staleness. One mechanism for AR and diffusion (``AsyncARTrainer
 ``DiffusionTrainer``).
 
 While the train slab trains step ``k`` (on weights version ``k - 1``), the rollout slab already
-generates the next batches: a Ray Data stream of steps (``unirl_ray.rollout.async_stream``) with
-prompts -> rollout on the engine app -> reward, into a bounded sample cache. A batch for step
+generates the next batches: the engine's ``RolloutManager`` in stream mode (``rollout.manager``; a Ray
+Data stream of steps, ``unirl_ray.rollout.async_stream``) with prompts -> rollout on the engine app ->
+reward, into a bounded sample cache. A batch for step
 ``j`` may only start once version ``j - 1 - max_staleness`` is published, so every sample the
 trainer takes is at most ``max_staleness`` versions old; the trainer checks this on every sample
 (and that no sample is trained twice) before training. Weights are published at explicit
@@ -107,7 +108,6 @@ class AsyncRLTrainer(RLTrainer):
         return start
 
     def _start_stream(self, start: int, trained_ids: dict[int, set[str]] | None = None) -> None:
-        from unirl_ray.rollout.async_stream import RolloutStream
         from unirl_ray.runtime.train_group import NAMESPACE
 
         self._requests_rows: dict[int, list[str]] = {}
@@ -125,8 +125,9 @@ class AsyncRLTrainer(RLTrainer):
         self._seen_ids: set[str] = set().union(*self._trained_ids.values()) if self._trained_ids else set()
         self._last_step = start
         self._totals = {"trained": 0}
-        self.stream = RolloutStream(
-            engine=self.engine, reward=self.reward, requests=requests, version=self.policy_version,
+        self.manager = self.rollout_manager(self.engine)
+        self.stream = self.manager.stream(
+            requests, reward=self.reward, version=self.policy_version,
             max_staleness=self.async_cfg.max_staleness, partial_rollout=self.async_cfg.partial_rollout,
             timeout_s=self.async_cfg.wait_timeout_s, gate_name=f"{self.run_cfg.run_name}-gate", namespace=NAMESPACE,
         )
@@ -138,7 +139,7 @@ class AsyncRLTrainer(RLTrainer):
             log.warning("the last weight publish failed: %s", exc)
         stream = getattr(self, "stream", None)
         if stream is not None:
-            left = stream.close(f"trainer {status.lower()}")
+            left = self.manager.close_stream(f"trainer {status.lower()}") or {"steps": 0, "samples": 0}
             console(f"async rollout: {stream.generated} samples generated, {self._totals['trained']} trained, "
                     f"{stream.resampled} regenerated after a weight update, {left['samples']} left unused in the "
                     f"cache ({left['steps']} steps)")
@@ -154,7 +155,7 @@ class AsyncRLTrainer(RLTrainer):
 
     def published(self, version: int) -> None:
         if self.stream is not None:
-            self.stream.publish(version)
+            self.manager.publish(version)
 
     def publish_weights(self) -> dict[str, float]:
         """The barrier without stalling training: the train ranks export now (fast); loading into every
@@ -170,10 +171,8 @@ class AsyncRLTrainer(RLTrainer):
                 self.engine.publish(version, ref, checksum, timeout_s=self.sync.timeout_s)
                 self.published(version)
             except BaseException as exc:  # noqa: BLE001 - raised on the trainer's thread by _finish_publish
-                self._publish_error = exc
-                stream = self.stream
-                if stream is not None:  # the gate stays shut: a trainer waiting for the next batch fails now
-                    stream.cache.fail(RuntimeError(f"publishing weights v{version} failed: {exc}"))
+                self._publish_error = exc  # the gate stays shut: a trainer waiting for the next batch fails now
+                self.manager.fail_stream(RuntimeError(f"publishing weights v{version} failed: {exc}"))
             self._publish_seconds = time.perf_counter() - t0
 
         self._publish_thread = threading.Thread(target=load, name=f"unirl-publish-v{version}", daemon=True)
@@ -206,7 +205,7 @@ class AsyncRLTrainer(RLTrainer):
             self._finish_publish()
         except Exception as exc:  # noqa: BLE001 - the checkpoint's weights are published again below
             log.warning("a weight publish failed during the restart: %s", exc)
-        left = self.stream.close("the train worker group restarted")
+        left = self.manager.close_stream("the train worker group restarted") or {"steps": 0, "samples": 0}
         log.warning("async rollout: discarding %d cached samples after the worker-group restart", left["samples"])
         self.stream = None
         self._trained_ids = {k: v for k, v in self._trained_ids.items() if k <= restored_step}
@@ -217,7 +216,7 @@ class AsyncRLTrainer(RLTrainer):
     def collect(self, step: int) -> tuple[list[Sample], dict[str, Any]]:
         depth_steps, depth_samples = self.stream.cache.depth()
         t0 = time.perf_counter()
-        entry = self.stream.take(step)
+        entry = self.manager.take(step)
         waited = time.perf_counter() - t0
         samples, info = entry.samples, entry.info
         self.prompt_log.append((step, self._requests_rows.pop(step)))

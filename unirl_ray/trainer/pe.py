@@ -291,6 +291,7 @@ class PETrainer(RLTrainer):
         metrics: dict[str, float] = {}
         if not self.engines or not self.sync.due(step):
             return metrics
+        self.quiesce_rollouts()
         for side, pushed in self.engine_set.push(self.sync, self.group, self.policy_version).items():
             metrics |= {f"{side}/{k}": v for k, v in pushed.items() if k != "weight_sync/engines"}
         metrics["timing/weight_sync"] = sum(v for k, v in metrics.items() if k.endswith("/weight_sync/seconds"))
@@ -366,12 +367,10 @@ class PETrainer(RLTrainer):
         clean = [{k: v for k, v in r.items() if k != "original"} for r in requests]
         engine = self.engines.get(side)
         if engine is not None:
+            out = self.on_engine(engine, clean)
             if engine.colocated:
-                out = self.colocated_rollout(clean, engine)
                 self.side_metrics |= {f"{side}/{k}": v for k, v in self._stage_metrics.items()}
                 self._stage_metrics = {}
-            else:
-                out = engine.generate(clean)
             for sample in out:
                 for part in sample.parts:
                     part.stage = side

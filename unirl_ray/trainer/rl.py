@@ -4,7 +4,9 @@ Layouts, as the seed describes them:
 
 - **trainside / direct** (``rollout: TrainsideRollout``): the train ranks sample with the module
   they train; no engine, no sync; each rank trains on the samples it generated.
-- **dedicated engine** (``rollout: DedicatedRollout``): a Ray Serve app generates; after every
+- **dedicated engine** (``rollout: DedicatedRollout``): a Ray Serve app generates, driven by a
+  ``RolloutManager`` (``rollout.manager``: every dedicated rollout of every trainer goes through one,
+  per engine: ``on_engine``); after every
   ``sync.every`` train steps the controller pushes versioned, verified weights to it
   (``TensorWeightSync``) and refuses to roll out with a stale engine. ``placement: colocated``
   makes engine and train workers take turns on the same devices (offload -> wake -> generate ->
@@ -41,6 +43,7 @@ from unirl_ray.algorithms.credit import CreditAssignment
 from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
+from unirl_ray.rollout.manager import RolloutManager
 from unirl_ray.runtime.serve import delete_apps
 from unirl_ray.train.configs import BACKEND_CONFIG_TYPES, check_backend_config
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
@@ -166,22 +169,27 @@ class RLTrainer(BaseTrainer):
     def start_services(self) -> None:
         """Deploy the reward app(s) and a dedicated engine. Both build while the train workers start
         (``start_workers`` waits for them); only a colocated engine deploys (and sleeps) first, so
-        that the workers find the devices free."""
+        that the workers find the devices free, and an attached engine app (``rollout.attach``) is checked
+        before anything starts."""
         from unirl_ray.rewards import RewardClient
 
-        for source in (self.data, self.eval_source):  # the prompts are read (Ray Data) while the workers start
-            if hasattr(source, "prefetch"):
-                source.prefetch()
         self.reward = None
         self.engine = None
         self._engine_deploy: Future | None = None
         self._stage_metrics: dict[str, float] = {}
-        self._reward_deploy: Future | None = _in_background(
-            "reward", RewardClient.deploy, self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
-        self._mark_when_done(self._reward_deploy, "reward_app")
+        deploy = None
         if self.dedicated is not None:
             deploy = functools.partial(DedicatedEngine.deploy, self.dedicated, app_name=self._engine_app_name(),
                                        sections=engine_sections(self.recipe, self.backend_cfgs), seed=self.run_cfg.seed)
+            if self.dedicated.attach:  # a running app: checked first (quick), before anything else starts
+                self.engine = deploy()
+        for source in (self.data, self.eval_source):  # the prompts are read (Ray Data) while the workers start
+            if hasattr(source, "prefetch"):
+                source.prefetch()
+        self._reward_deploy: Future | None = _in_background(
+            "reward", RewardClient.deploy, self.reward_cfg, app_name=f"{self.run_cfg.run_name}-reward")
+        self._mark_when_done(self._reward_deploy, "reward_app")
+        if deploy is not None and self.engine is None:
             if self.dedicated.placement == "colocated":
                 self.engine = deploy()
                 self.engine.sleep()  # give the devices to the train workers that start next
@@ -236,6 +244,9 @@ class RLTrainer(BaseTrainer):
             self._await_reward()
         except Exception as exc:  # noqa: BLE001 - setup already failed; the deploy removes an app that never got ready
             log.warning("the reward app's deploy failed: %s", exc)
+        for manager in getattr(self, "_managers", {}).values():
+            manager.shutdown()
+        self._managers = {}
         services = [s for s in [*self.engine_services(), getattr(self, "reward", None)] if s is not None]
         try:  # every app at once (each deletion waits for its replicas to stop), then each service's own cleanup
             delete_apps([name for s in services for name in s.app_names()])
@@ -326,8 +337,14 @@ class RLTrainer(BaseTrainer):
     def sync_engines(self, step: int) -> dict[str, float]:
         """After training ``step``: publish the weights to the dedicated engine when a sync is due."""
         if self.engine is not None and self.sync.due(step):
+            self.quiesce_rollouts()
             return self.publish_weights()
         return {}
+
+    def quiesce_rollouts(self) -> None:
+        """Before a weight sync: no engine call of any of this run's RolloutManagers is in flight."""
+        for manager in getattr(self, "_managers", {}).values():
+            manager.quiesce()
 
     def publish_weights(self) -> dict[str, float]:
         """Push the trained weights to every engine replica and verify them (the barrier); returns metrics."""
@@ -357,22 +374,37 @@ class RLTrainer(BaseTrainer):
         return requests
 
     def rollout(self, requests: list[dict[str, Any]]) -> list[Sample]:
-        if self.engine is not None and self.engine.colocated:
-            return self.colocated_rollout(requests)
         if self.engine is not None:
-            return self.engine.generate(requests)
+            return self.on_engine(self.engine, requests)
         shards = _split(requests, self.group.world_size)
         results = self.group.call("generate", [{"requests": shard} for shard in shards])
         return [sample for shard in results for sample in shard]
 
-    def colocated_rollout(self, requests: list[dict[str, Any]], engine: DedicatedEngine | None = None, *,
-                          generate: Any = None) -> list[Any]:
-        """Train workers and engine (default: ``self.engine``) take turns on the same devices: workers
-        offload, the engine wakes (loading the latest version, verified), generates (``generate(requests)``,
-        default ``engine.generate``: the agentic trainer runs whole trajectories) and sleeps, the workers
-        onload. The turn's timings and bytes are left in ``self._stage_metrics``."""
-        engine = engine or self.engine
-        generate = generate or engine.generate
+    def rollout_manager(self, engine: DedicatedEngine) -> RolloutManager:
+        """The RolloutManager of ``engine`` (one per engine app, built by ``make_manager`` on first use)."""
+        managers = self.__dict__.setdefault("_managers", {})
+        key = engine.app_name
+        if key not in managers:
+            managers[key] = self.make_manager(engine)
+        return managers[key]
+
+    def make_manager(self, engine: DedicatedEngine) -> RolloutManager:
+        """A single-turn RolloutManager (the agentic trainer's runs trajectories)."""
+        return RolloutManager(engine)
+
+    def on_engine(self, engine: DedicatedEngine, requests: list[dict[str, Any]], *, trajectories: bool = False) -> list[Any]:
+        """``requests`` rolled out on ``engine`` through its RolloutManager (``generate``, or ``run`` for whole
+        trajectories); a colocated engine takes its turn on the devices (``colocated_rollout``)."""
+        manager = self.rollout_manager(engine)
+        generate = manager.run if trajectories else manager.generate
+        if engine.colocated:
+            return self.colocated_rollout(requests, engine, generate=generate)
+        return generate(requests)
+
+    def colocated_rollout(self, requests: list[dict[str, Any]], engine: DedicatedEngine, *, generate: Any) -> list[Any]:
+        """Train workers and ``engine`` take turns on the same devices: workers offload, the engine wakes
+        (loading the latest version, verified), ``generate(requests)`` runs (its RolloutManager's) and the engine
+        sleeps, the workers onload. The turn's timings and bytes are left in ``self._stage_metrics``."""
         t0 = time.perf_counter()
         offloaded = self.group.call("offload", {})
         self._stage_metrics = {"colocate/train_bytes_offloaded": float(sum(r["bytes"] for r in offloaded)),

@@ -250,20 +250,17 @@ class UnifiedModelTrainer(RLTrainer):
         """After training ``step``: one export of the backbone, published to both engines (versioned, verified)."""
         if not self._pair() or not self.sync.due(step):
             return {}
+        self.quiesce_rollouts()
         metrics = self.engine_set.push(self.sync, self.group, self.policy_version)[None]
         metrics["timing/weight_sync"] = metrics["weight_sync/seconds"]
         return metrics
 
     def _on_engine(self, stage: str, requests: list[dict[str, Any]]) -> list[Sample]:
         engine = self.engine_set.engines[stage]
-        if engine.colocated:  # the train workers hand over the devices for this engine's turn
-            out = self.colocated_rollout(requests, engine)
+        out = self.on_engine(engine, requests)  # a colocated engine: the train workers hand over the devices
+        if engine.colocated:
             self._pair_metrics |= {f"{stage}/{k}": v for k, v in self._stage_metrics.items()}
             self._stage_metrics = {}
-        else:
-            out = engine.generate(requests)
-        if [s.sample_id for s in out] != [r["sample_id"] for r in requests]:
-            raise RuntimeError(f"the {stage} engine returned samples out of order or incomplete")
         return out
 
     def _rollout_on_pair(self, requests: list[dict[str, Any]]) -> list[Sample]:

@@ -33,11 +33,17 @@ class VersionedEngine(abc.ABC):
     back, return bytes freed) and ``_restore()`` (take it again, return bytes restored)."""
 
     store: tuple[str, str] | None = None
+    sections: dict[str, Any] | None = None
+    """What the replica built (bundle, pipeline, LoRA structure, trained attribute): ``describe`` returns it."""
     version: int = -1
     checksum: str | None = None
     replica: int = 0
     asleep: bool = False
     released_bytes: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        """The model this engine serves (a trainer attaching to a running engine app checks it matches)."""
+        return {"engine": type(self).__name__, "sections": self.sections}
 
     def status(self) -> dict[str, Any]:
         return {"version": self.version, "checksum": self.checksum, "replica": self.replica,

@@ -35,6 +35,7 @@ class HFRolloutEngine(VersionedEngine):
 
     def __init__(self, sections: dict[str, Any], store: tuple[str, str] | None = None, seed: int = 0) -> None:
         torch.manual_seed(seed)
+        self.sections = sections
         self.bundle = instantiate(sections["bundle"])
         self.pipeline = instantiate(sections["pipeline"], bundle=self.bundle)
         self.module = getattr(self.bundle, sections.get("trainable_attr", "model"))

@@ -151,6 +151,7 @@ class VLLMRolloutEngine(VersionedEngine):
         self.weight_update = mode
 
         torch.manual_seed(seed)
+        self.sections = sections
         self.bundle = instantiate(sections["bundle"])
         self.pipeline = instantiate(sections["pipeline"], bundle=self.bundle)
         attr = sections.get("trainable_attr", "model")

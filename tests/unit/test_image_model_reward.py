@@ -165,3 +165,35 @@ def test_aesthetic_score_is_the_head_on_the_normalised_clip_embedding(aesthetic,
         AestheticReward(str(tmp_path / "aesthetic"), head=str(tmp_path / "wrong.pth"), device="cpu")
     with pytest.raises(ValueError, match="uint8"):
         aesthetic(images=[np.zeros((8, 8, 3), dtype=np.float32)])
+
+
+def test_temporal_consistency_is_the_mean_cosine_of_consecutive_frames(tmp_path):
+    """Pinned by hand: each frame's image feature from the tiny CLIP's full model (not the reward's vision-only
+    copy), normalised, and the mean of the consecutive cosines; a still video scores exactly 1; batching and
+    a local folder change nothing; an image or a one-frame video is refused."""
+    from unirl_ray.rewards.image_model import TemporalConsistencyReward, tiny_clip
+
+    reward = TemporalConsistencyReward(tiny=True, batch_size=3, device="cpu")
+    model, processor = tiny_clip()
+
+    def by_hand(frames):
+        pixels = processor(images=list(frames), return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            feats = model.get_image_features(pixel_values=pixels)
+        feats = getattr(feats, "pooler_output", feats).double().numpy()
+        feats = feats / np.linalg.norm(feats, axis=1, keepdims=True)
+        return float(np.mean([feats[t] @ feats[t + 1] for t in range(len(feats) - 1)]))
+
+    moving, other = _images(4, seed=8), _images(3, seed=9)
+    still = np.repeat(_images(1, seed=10), 5, axis=0)
+    scores = reward(images=[moving, still, other], prompts=["ignored"] * 3)
+    assert scores[0] == pytest.approx(by_hand(moving), abs=1e-5) and scores[2] == pytest.approx(by_hand(other), abs=1e-5)
+    assert scores[1] == pytest.approx(1.0, abs=1e-6) and scores[0] < 1.0 - 1e-4  # steady vs changing frames
+    assert reward(images=[other]) == pytest.approx([scores[2]], abs=1e-6)  # batch-independent
+    reward.save_pretrained(str(tmp_path / "clip_vision"))
+    assert TemporalConsistencyReward(str(tmp_path / "clip_vision"), device="cpu")(images=[moving, other]) == pytest.approx(
+        [scores[0], scores[2]], abs=1e-6)
+    with pytest.raises(ValueError, match=r"videos of 2 frames or more; samples \[1\] have 1"):
+        reward(images=[moving, _images(1)[0]])
+    with pytest.raises(ValueError, match="exactly one of"):
+        TemporalConsistencyReward()

@@ -48,6 +48,7 @@ def _real_recipes():
         ("sd3.5-medium", "sd3/sd3_5_medium_ocr_flowgrpo.yaml", DiffusionTrainer),
         ("sd3.5-medium", "sd3/sd3_5_medium_vlm_judge_flowgrpo.yaml", DiffusionTrainer),
         ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_flowgrpo.yaml", DiffusionTrainer),
+        ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_video_reward_flowgrpo.yaml", DiffusionTrainer),
     ]
 
 
@@ -78,6 +79,8 @@ def test_configs_only_folders_pass_the_real_recipes_checks(tmp_path, monkeypatch
             assert [suffix for suffix, _ in trainer.reward_cfg.placements()] == ["-ocr"]
             with open(trainer.data.path) as prompts:  # read here: the source's own reader would start Ray
                 assert all(quoted_text(line) for line in prompts if line.strip())
+        if "video_reward" in recipe:  # per-frame PickScore and the temporal term, each in its own app
+            assert {suffix for suffix, _ in trainer.reward_cfg.placements()} == {"-pickscore", "-consistency"}
         if "vlm_judge" in recipe:  # a function reward: the judge is called from the driver's process
             assert trainer.reward_cfg.shared_runs_locally() and not trainer.reward_cfg.resources()
     # the prompt enhancer's real recipe: a Qwen2.5 rewriter folder, SD3.5 Medium, a CLIP folder

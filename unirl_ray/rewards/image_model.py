@@ -1,6 +1,7 @@
 """Learned image rewards on CLIP: a text-image score (CLIPScore-style cosine similarity), a preference score
-(PickScore-style: the cosine times the model's learned ``logit_scale``) and a LAION-style aesthetic
-predictor (an MLP head on the CLIP image embedding).
+(PickScore-style: the cosine times the model's learned ``logit_scale``), a LAION-style aesthetic predictor
+(an MLP head on the CLIP image embedding) and, for videos, a temporal-consistency term
+(``TemporalConsistencyReward``: the cosine of consecutive frames' CLIP image embeddings).
 
 ``CLIPScoreReward`` is a reward fn class: name it in a reward recipe and every reward replica builds
 it once (its ``kwargs`` go to the constructor) and then calls it per batch::
@@ -191,6 +192,34 @@ def aesthetic_head(embed_dim: int, hidden: Sequence[int] = AESTHETIC_HEAD_DIMS) 
     return Head()
 
 
+def clip_vision_tower(path: str | None, *, tiny: bool = False, seed: int = 0) -> tuple[Any, Any]:
+    """``(CLIPVisionModelWithProjection, CLIPImageProcessor)`` from a local folder (a vision tower with projection,
+    or a whole ``CLIPModel``, saved with ``save_pretrained``), or the tiny CLIP's vision half (``tiny=True``)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    if tiny:
+        clip, processor = tiny_clip(seed=seed)
+        vision_cfg = CLIPVisionConfig(**clip.config.vision_config.to_dict())
+        vision_cfg.projection_dim = clip.config.projection_dim
+        vision = CLIPVisionModelWithProjection(vision_cfg)
+        vision.vision_model.load_state_dict(clip.vision_model.state_dict())
+        vision.visual_projection.load_state_dict(clip.visual_projection.state_dict())
+        return vision, processor.image_processor
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.isdir(path):
+        raise ValueError(f"CLIP folder not found: {path}; pass a local folder saved with save_pretrained")
+    return CLIPVisionModelWithProjection.from_pretrained(path), CLIPImageProcessor.from_pretrained(path)
+
+
+def image_embeds(vision: Any, processor: Any, frames: Sequence[np.ndarray], device: Any) -> Any:
+    """L2-normalised CLIP image embeddings (float32 ``[N, d]``) of uint8 ``[H, W, 3]`` frames."""
+    import torch
+
+    pixels = processor(images=list(frames), return_tensors="pt")["pixel_values"]
+    out = vision(pixel_values=pixels.to(device, vision.dtype))
+    return torch.nn.functional.normalize(out.image_embeds.float(), dim=-1)
+
+
 class AestheticReward:
     """Reward fn ``(*, images, prompts, **columns) -> list[float]``: a LAION-style aesthetic score per image
     (frames: the mean), from a CLIP vision tower's normalised image embedding and a linear head.
@@ -243,29 +272,18 @@ class AestheticReward:
     @staticmethod
     def _tiny(seed: int) -> tuple[Any, Any, Any]:
         import torch
-        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-        clip, processor = tiny_clip(seed=seed)
-        vision_cfg = CLIPVisionConfig(**clip.config.vision_config.to_dict())
-        vision_cfg.projection_dim = clip.config.projection_dim
-        vision = CLIPVisionModelWithProjection(vision_cfg)
-        vision.vision_model.load_state_dict(clip.vision_model.state_dict())
-        vision.visual_projection.load_state_dict(clip.visual_projection.state_dict())
+        vision, processor = clip_vision_tower(None, tiny=True, seed=seed)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)
-            head = aesthetic_head(vision_cfg.projection_dim, hidden=(16, 8, 8, 4))
+            head = aesthetic_head(vision.config.projection_dim, hidden=(16, 8, 8, 4))
             with torch.no_grad():  # a head whose scores sit around the published scale's middle
                 head.layers[-1].bias.fill_(5.0)
-        return vision, processor.image_processor, head
+        return vision, processor, head
 
     @staticmethod
     def _load_vision(path: str) -> tuple[Any, Any]:
-        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
-
-        path = os.path.abspath(os.path.expanduser(path))
-        if not os.path.isdir(path):
-            raise ValueError(f"CLIP folder not found: {path}; pass a local folder saved with save_pretrained")
-        return CLIPVisionModelWithProjection.from_pretrained(path), CLIPImageProcessor.from_pretrained(path)
+        return clip_vision_tower(path)
 
     @staticmethod
     def _load_head(head: str, embed_dim: int) -> Any:
@@ -292,11 +310,7 @@ class AestheticReward:
 
     def embed(self, frames: Sequence[np.ndarray]) -> Any:
         """L2-normalised image embeddings (float32 ``[N, d]``) of uint8 ``[H, W, 3]`` frames."""
-        import torch
-
-        pixels = self.processor(images=list(frames), return_tensors="pt")["pixel_values"]
-        out = self.vision(pixel_values=pixels.to(self.device, self.vision.dtype))
-        return torch.nn.functional.normalize(out.image_embeds.float(), dim=-1)
+        return image_embeds(self.vision, self.processor, frames, self.device)
 
     def __call__(self, *, images: Sequence[Any], prompts: Sequence[str] | None = None, **_: Any) -> list[float]:
         """One score per sample: the head's output on its normalised image embedding (mean over frames)."""
@@ -321,3 +335,65 @@ class AestheticReward:
         self.processor.save_pretrained(path)
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()},
                   os.path.join(path, "aesthetic_head.safetensors"))
+
+
+class TemporalConsistencyReward:
+    """Reward fn ``(*, images, prompts, **columns) -> list[float]``: how steady a video is, the mean cosine
+    similarity of the CLIP image embeddings of its consecutive frames, ``mean_t cos(e_t, e_{t+1})``.
+
+    Range [-1, 1] (about 0.7-1 on real videos); 1 when every frame looks the same to CLIP, lower for flicker,
+    jumps and identity changes; it ignores the prompt. A video reward is this term plus a per-frame image
+    reward (every image reward scores a video as the mean over its frames), weighted in the recipe's
+    ``reward.rewards``. Scores videos ``[F, H, W, 3]`` with ``F >= 2``; an image is refused (a recipe error,
+    not a low score). Calls are serialised by a lock (one forward at a time per replica).
+    """
+
+    def __init__(self, path: str | None = None, *, tiny: bool = False, seed: int = 0, batch_size: int = 32,
+                 device: str = "auto", dtype: str | None = None):
+        """
+        Args:
+            path: Local folder holding a ``CLIPVisionModelWithProjection`` (or a whole ``CLIPModel``) and its
+                ``CLIPImageProcessor`` (``save_pretrained`` output), e.g. openai/clip-vit-large-patch14.
+            tiny: Build the tiny random CLIP vision tower instead (tests, CPU demos).
+            seed: Weight seed of the tiny model.
+            batch_size: Frames per forward pass.
+            device: ``"auto"`` (cuda when visible), ``"cpu"``, ``"cuda:0"``...
+            dtype: Weight dtype name (``"bfloat16"``); None keeps float32.
+        """
+        check_arguments("TemporalConsistencyReward", path, tiny, "/local/clip/folder", batch_size=batch_size)
+        self.device, torch_dtype = device_and_dtype(device, dtype)
+        """Where the model runs."""
+        self.batch_size = batch_size
+        """Frames per forward pass."""
+        self.vision, self.processor = clip_vision_tower(path, tiny=tiny, seed=seed)
+        self.vision.to(self.device, torch_dtype).eval()
+        self._lock = threading.Lock()
+
+    def __call__(self, *, images: Sequence[Any], prompts: Sequence[str] | None = None, **_: Any) -> list[float]:
+        """One score per video: the mean cosine of its consecutive frames' embeddings."""
+        import torch
+
+        if images is None:
+            raise ValueError("TemporalConsistencyReward needs images=[one video [F, H, W, 3] per sample]")
+        frames, owner = image_frames(images)
+        counts = np.bincount(owner, minlength=len(images))
+        short = [i for i, c in enumerate(counts) if c < 2]
+        if short:
+            raise ValueError(f"TemporalConsistencyReward scores videos of 2 frames or more; samples {short[:5]} have "
+                             f"{int(counts[short[0]])} (an image reward scores single images)")
+        embeds = []
+        with self._lock, torch.inference_mode():
+            for lo in range(0, len(frames), self.batch_size):
+                embeds.append(image_embeds(self.vision, self.processor, frames[lo:lo + self.batch_size], self.device).cpu())
+        e = torch.cat(embeds).double()
+        scores, start = [], 0
+        for count in counts:
+            clip = e[start:start + count]
+            scores.append(float((clip[:-1] * clip[1:]).sum(-1).mean()))
+            start += count
+        return scores
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the vision tower and its image processor to ``path`` (loadable with ``TemporalConsistencyReward(path)``)."""
+        self.vision.save_pretrained(path)
+        self.processor.save_pretrained(path)

@@ -156,7 +156,7 @@ def test_allow_list_holds_on_the_object_reached_not_the_spelling(monkeypatch, ov
 
 def test_every_shipped_recipe_passes_the_allow_list_of_the_package(monkeypatch):
     for var in ("PRETRAINED_MODEL", "PRETRAINED_LLM", "CLIP_MODEL", "GSM", "SFT_DATA", "PICKSCORE_MODEL", "AESTHETIC_HEAD",
-                "OCR_MODEL", "VLM_JUDGE_URL", "VLM_JUDGE_MODEL"):  # the real recipes' local folders (not read here)
+                "OCR_MODEL", "VLM_JUDGE_URL", "VLM_JUDGE_MODEL", "OWL_MODEL"):  # the real recipes' local folders (not read here)
         monkeypatch.setenv(var, "/models/unused")
     recipes = sorted(Path(TINY).parents[2].rglob("*.yaml"))
     assert len(recipes) >= 15

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from unirl_ray.rewards.geneval import requirements
 from unirl_ray.rewards.ocr import quoted_text
 from unirl_ray.tools.random_checkpoint import (
     FAMILIES,
@@ -47,6 +48,7 @@ def _real_recipes():
         ("sd3.5-medium", "sd3/sd3_5_medium_pickscore_flowgrpo.yaml", DiffusionTrainer),
         ("sd3.5-medium", "sd3/sd3_5_medium_ocr_flowgrpo.yaml", DiffusionTrainer),
         ("sd3.5-medium", "sd3/sd3_5_medium_vlm_judge_flowgrpo.yaml", DiffusionTrainer),
+        ("sd3.5-medium", "sd3/sd3_5_medium_geneval_flowgrpo.yaml", DiffusionTrainer),
         ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_flowgrpo.yaml", DiffusionTrainer),
         ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_video_reward_flowgrpo.yaml", DiffusionTrainer),
     ]
@@ -65,7 +67,7 @@ def test_configs_only_folders_pass_the_real_recipes_checks(tmp_path, monkeypatch
             assert component in index and (folder / component / "config.json").is_file()
         assert not list(folder.rglob("*.safetensors"))
         folders[family] = str(folder)
-    for name in ("PICKSCORE_MODEL", "CLIP_MODEL", "AESTHETIC_HEAD", "OCR_MODEL"):  # the reward models' folders (read by their replicas)
+    for name in ("PICKSCORE_MODEL", "CLIP_MODEL", "AESTHETIC_HEAD", "OCR_MODEL", "OWL_MODEL"):  # the reward models' folders (read by their replicas)
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     monkeypatch.setenv("VLM_JUDGE_URL", "http://127.0.0.1:9/v1")  # a judge endpoint (not called here)
     monkeypatch.setenv("VLM_JUDGE_MODEL", "judge")
@@ -81,6 +83,10 @@ def test_configs_only_folders_pass_the_real_recipes_checks(tmp_path, monkeypatch
                 assert all(quoted_text(line) for line in prompts if line.strip())
         if "video_reward" in recipe:  # per-frame PickScore and the temporal term, each in its own app
             assert {suffix for suffix, _ in trainer.reward_cfg.placements()} == {"-pickscore", "-consistency"}
+        if "geneval" in recipe:  # the detector in its own app; every shipped prompt carries valid metadata
+            assert [suffix for suffix, _ in trainer.reward_cfg.placements()] == ["-geneval"]
+            with open(trainer.data.path) as prompts:
+                assert all(requirements(json.loads(line)["metadata"]) for line in prompts if line.strip())
         if "vlm_judge" in recipe:  # a function reward: the judge is called from the driver's process
             assert trainer.reward_cfg.shared_runs_locally() and not trainer.reward_cfg.resources()
     # the prompt enhancer's real recipe: a Qwen2.5 rewriter folder, SD3.5 Medium, a CLIP folder

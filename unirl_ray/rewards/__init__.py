@@ -21,7 +21,8 @@ from unirl_ray.rewards.image import (
     make_target_color,
     target_color,
 )
-from unirl_ray.rewards.image_model import AestheticReward, CLIPScoreReward, PickScoreReward
+from unirl_ray.rewards.geneval import GenEvalReward
+from unirl_ray.rewards.image_model import AestheticReward, CLIPScoreReward, PickScoreReward, TemporalConsistencyReward
 from unirl_ray.rewards.ocr import OCRReward
 
 _SERVICE_NAMES = ("RewardService", "RewardClient", "RewardApp", "build_reward_app", "start_serve", "samples_to_inputs")
@@ -43,7 +44,9 @@ __all__ = [
     "CLIPScoreReward",
     "PickScoreReward",
     "AestheticReward",
+    "TemporalConsistencyReward",
     "OCRReward",
+    "GenEvalReward",
     *_SERVICE_NAMES,
 ]
 

@@ -10,6 +10,9 @@ The job inherits the environment of the process that started the head: PATH star
 ``bin`` so the job's ``python`` is the venv's. The working dir upload honours ``.gitignore`` (so the
 2+ GB ``.venv`` is not uploaded): checked on the unpacked package on the head node.
 
+The recipe's ``ray.runtime_env`` ships a reward module of the user's (``py_modules``, outside the working dir)
+and a variable (``env_vars``) to the job: the reward scores in the reward app's Serve replica.
+
 The job is also the diffusion trainer's learning test (the tiny SD3 recipe, Flow-GRPO, one worker): the
 reward rises, the metrics, parameters, images and recipe reach MLflow, and the synchronous checkpoints are
 complete when saved (the other diffusion runs, in ``tests/ray/test_e2e_diffusion.py``, save asynchronously).
@@ -215,6 +218,19 @@ def assert_learned_and_logged(storage: Path) -> None:
     assert sorted(waits) == [4, STEPS] and all(v > 0 for v in waits.values()), waits
 
 
+def assert_the_runtime_env_reached_the_reward_replica(storage: Path) -> None:
+    """Every step the user's module scored 7 in the reward app's replica (imported from py_modules, the value from
+    env_vars), with weight 0: the total reward is the brightness alone."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+               for key in ("reward/mark/mean", "reward/brightness/mean", "reward/mean")}
+    assert history["reward/mark/mean"] == {step: 7.0 for step in range(1, STEPS + 1)}, history["reward/mark/mean"]
+    assert history["reward/mean"] == pytest.approx(history["reward/brightness/mean"], abs=1e-9)
+
+
 def assert_the_mlflow_ui_serves_the_run(storage: Path) -> None:
     """``mlflow server`` (what ``mlflow ui`` runs) on the finished job's store: the run, its metric histories
     and its images come back through the server's REST API, as the UI reads them."""
@@ -275,6 +291,13 @@ def assert_the_mlflow_ui_serves_the_run(storage: Path) -> None:
 def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
     url, env, temp_dir = ray_head
     storage = tmp_path / "runs"
+    # a reward module of the user's outside the working dir, shipped by the recipe's ray.runtime_env (py_modules),
+    # reading a variable that only the recipe's env_vars set: it scores in the reward app's Serve replica
+    package = tmp_path / "project" / "my_job_rewards"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "rewards.py").write_text("import os\n\n\ndef mark(*, images, prompts, **_):\n"
+                                        "    return [float(os.environ['UNIRL_TEST_MARK'])] * len(prompts)\n")
     t0 = time.perf_counter()
     proc = _ray(
         env, "job", "submit", "--address", url, "--working-dir", str(REPO_ROOT), "--",
@@ -282,6 +305,8 @@ def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
         f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=4", "tracking.log_samples_every=4",
         f"trainer.storage_path={storage}", "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2",
         "++ray.async_checkpoint=false",  # synchronous checkpoints: every save returns once committed
+        f"+ray.runtime_env={{py_modules: [{package}], env_vars: {{UNIRL_TEST_MARK: '7'}}}}",
+        "+reward.rewards.mark={fn: my_job_rewards.rewards.mark, weight: 0.0}", "++reward.placement=serve",
     )
     elapsed = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
@@ -293,6 +318,7 @@ def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
     assert "running on Ray cluster at" in out, out[-8000:]  # joined the head, no embedded Ray
     assert (storage / "mlflow.db").is_file()
     assert_learned_and_logged(storage)
+    assert_the_runtime_env_reached_the_reward_replica(storage)
     assert_the_mlflow_ui_serves_the_run(storage)
 
     # the working dir package on the head: the repo's sources, without the git-ignored venv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,14 @@ class RayConfig:
     next save first waits for the previous one's commit (one in flight at most: a crash loses at most the
     steps since the checkpoint before the latest), and a run that ends waits for its last one. False:
     every save waits for its commit."""
+    runtime_env: dict[str, Any] | None = None
+    """Ray's runtime environment for the whole run (``working_dir``, ``py_modules``, ``pip`` / ``uv``,
+    ``env_vars``, ...): set on the job when the trainer starts or joins Ray, so every train worker, Serve
+    replica (reward and engine apps) and Ray Data task runs in it, e.g. with your own reward module
+    (``py_modules: [./my_rewards]``). Local ``py_modules`` / ``working_dir`` paths are importable on the driver
+    too. Under ``ray job submit --runtime-env-json`` the two are merged (Ray refuses the same field or
+    variable set twice). A Ray already started in this process (a notebook's ``ray.init()``) must carry it:
+    ``ray.init(runtime_env=...)``, or leave Ray to the trainer."""
     worker_niceness: int | None = 0
     """Scheduling priority of the train worker processes and of their command broker (every command
     between the driver and the workers passes through it). Ray starts worker processes at niceness 15,
@@ -55,6 +64,7 @@ class RayConfig:
             raise ValueError(f"ray.scaling.num_workers must be a positive integer, got {workers!r}")
         if self.max_failures < 0:
             raise ValueError(f"ray.max_failures must be >= 0, got {self.max_failures}")
+        check_runtime_env(self.runtime_env)
 
     @property
     def num_workers(self) -> int:
@@ -70,6 +80,66 @@ class RayConfig:
             res.setdefault("GPU", 1)
         res.setdefault("CPU", 1)
         return {k: float(v) for k, v in res.items()}
+
+
+_RUNTIME_ENV_FIELDS = ("working_dir", "py_modules", "py_executable", "pip", "uv", "conda", "container", "image_uri",
+                       "env_vars", "excludes", "config", "worker_process_setup_hook", "java_jars", "nsight")
+
+
+def check_runtime_env(env: Any) -> None:
+    """``ray.runtime_env`` is a mapping of Ray's runtime-env fields; ``env_vars`` maps names to strings."""
+    if env is None:
+        return
+    if not isinstance(env, Mapping):
+        raise ValueError(f"ray.runtime_env must be a mapping of Ray runtime_env fields, got {env!r}")
+    unknown = sorted(k for k in env if k not in _RUNTIME_ENV_FIELDS)
+    if unknown:
+        raise ValueError(f"ray.runtime_env has unknown field(s) {unknown}; Ray's fields are {list(_RUNTIME_ENV_FIELDS)}")
+    env_vars = env.get("env_vars") or {}
+    if not isinstance(env_vars, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+        raise ValueError(f"ray.runtime_env.env_vars must map names to strings (quote numbers: '1'), got {env_vars!r}")
+    for key in ("py_modules",):
+        if key in env and (isinstance(env[key], str) or not isinstance(env[key], (list, tuple))):
+            raise ValueError(f"ray.runtime_env.{key} must be a list of paths or URIs, got {env[key]!r}")
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(path, str) and "://" not in path and os.path.exists(os.path.expanduser(path))
+
+
+def add_driver_import_paths(env: Any) -> list[str]:
+    """Make the local ``py_modules`` (a package folder or a ``.py`` file: its parent) and ``working_dir`` of a
+    recipe's ``ray.runtime_env`` importable on the driver, as they will be on the workers; returns the paths
+    added to ``sys.path`` (URIs and paths that do not exist are left to Ray)."""
+    import sys
+
+    if not isinstance(env, Mapping):
+        return []
+    paths = [os.path.dirname(os.path.abspath(os.path.expanduser(str(m).rstrip("/"))))
+             for m in env.get("py_modules") or [] if _is_local(m)]
+    if _is_local(env.get("working_dir")):
+        paths.append(os.path.abspath(os.path.expanduser(env["working_dir"])))
+    added = [p for p in dict.fromkeys(paths) if p not in sys.path]
+    sys.path[:0] = added
+    return added
+
+
+def job_runtime_env(cfg: RayConfig) -> dict[str, Any]:
+    """What an embedded Ray starts with: the recipe's ``runtime_env`` plus the variables passed through from
+    this process (``HF_HUB_OFFLINE``, ...; the recipe's own ``env_vars`` win)."""
+    env = dict(cfg.runtime_env or {})
+    env["env_vars"] = {**runtime_env_vars(), **(env.get("env_vars") or {})}
+    return env
+
+
+def _session_lacks(wanted: Mapping[str, Any] | None, session: Mapping[str, Any]) -> list[str]:
+    """Fields / variables of ``wanted`` the running session's runtime env does not have."""
+    if not wanted:
+        return []
+    missing = [k for k in wanted if k != "env_vars" and k not in session]
+    have = session.get("env_vars") or {}
+    missing += [f"env_vars.{k}" for k, v in (wanted.get("env_vars") or {}).items() if have.get(k) != v]
+    return missing
 
 
 def set_niceness(target: int | None, what: str) -> None:
@@ -110,18 +180,23 @@ def ensure_ray(cfg: RayConfig) -> str:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
+        lacks = _session_lacks(cfg.runtime_env, dict(ray.get_runtime_context().runtime_env or {}))
+        if lacks:
+            raise ValueError(f"Ray is already running in this process without ray.runtime_env's {lacks}: its train "
+                             "workers, Serve replicas and Ray Data tasks would run without them. Start Ray with "
+                             "ray.init(runtime_env=<the recipe's ray.runtime_env>), or call ray.shutdown() and let "
+                             "the trainer start it")
         return "existing Ray session"
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        # Keep the job's own runtime_env (e.g. `ray job submit --working-dir .`) untouched; the
-        # train workers get their env vars through RunConfig.worker_runtime_env.
-        ray.init(address=address, log_to_driver=True)
+        # A job's own runtime_env (e.g. `ray job submit --working-dir .`) is merged by Ray with the recipe's; the
+        # train workers get the variables passed through from here in RunConfig.worker_runtime_env.
+        ray.init(address=address, log_to_driver=True, runtime_env=cfg.runtime_env or None)
         return f"Ray cluster at {address}"
     num_cpus = cfg.local_num_cpus or max(8, os.cpu_count() or 1)
     for key, value in EMBEDDED_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    env = {"env_vars": runtime_env_vars()}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=job_runtime_env(cfg), log_to_driver=True)
     return f"embedded local Ray ({num_cpus} logical CPUs)"
 
 

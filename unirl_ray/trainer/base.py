@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from unirl_ray.config.recipe import RecipeError, flatten, instantiate, to_yaml, validate_targets
 from unirl_ray.runtime import run_lock
-from unirl_ray.runtime.cluster import RayConfig, check_cluster_fits, ensure_ray
+from unirl_ray.runtime.cluster import RayConfig, add_driver_import_paths, check_cluster_fits, ensure_ray
 from unirl_ray.runtime.train_group import TrainGroup, WorkerGroupRestarted
 from unirl_ray.tracking import MLflowTracker, TrackingConfig
 from unirl_ray.tracking.mlflow_tracker import check_tracking_store, is_uri
@@ -152,6 +152,8 @@ class BaseTrainer(ABC):
             from unirl_ray.config.recipe import allowed_prefixes_from_env
 
             allowed_target_prefixes = allowed_prefixes_from_env()
+        ray_section = recipe.get("ray")
+        add_driver_import_paths(ray_section.get("runtime_env") if ray_section is not None else None)  # your modules
         validate_targets(recipe, allowed_target_prefixes=allowed_target_prefixes)
         self.run_cfg: RunConfig = self._build("trainer")
         self.ray_cfg: RayConfig = self._build("ray")

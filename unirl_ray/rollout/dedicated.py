@@ -51,7 +51,8 @@ class DedicatedRollout:
     out on instead of deploying one: it must serve the recipe's model (checked before the workers start);
     the trainer pushes its weights to it, leaves it running at the end (serving the last version) and
     never deletes it. Its replicas and resources are the app's own (``num_replicas`` here must say how many
-    it has: it sizes the calls in flight)."""
+    it has: it sizes the calls in flight). One run at a time: a second run attached to the same app would
+    replace the first one's weights (the first then fails its version check instead of sampling from them)."""
     placement: Literal["separate", "colocated"] = "separate"
     """``separate``: the engine has its own devices and stays resident. ``colocated``: the engine shares
     the train workers' devices (e.g. ``num_gpus: 0.5`` on both sides) and they take turns: before a
@@ -377,6 +378,3 @@ class EngineSet:
             out[side] = {**metrics, "weight_sync/engines": float(len(fed)),
                          "weight_sync/seconds": time.perf_counter() - t0}
         return out
-
-    def app_names(self) -> list[str]:
-        return list(self.app_names_by.values())

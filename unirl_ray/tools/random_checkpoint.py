@@ -69,6 +69,15 @@ WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                  temperal_downsample=[False, True, True], dropout=0.0)  # latents mean/std: the class defaults (Wan2.1's)
 
 
+FLUX1_DEV_TRANSFORMER = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+)
+FLUX_VAE = dict(SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159)
+FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                      base_image_seq_len=256, max_image_seq_len=4096)
+
+
 def _clip(arch: dict[str, Any], tokenizer: Any) -> torch.nn.Module:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
@@ -125,6 +134,24 @@ def _wan21_t2v_1_3b() -> Any:
     )
 
 
+def _flux1_dev() -> Any:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from unirl_ray.models.sd3.tiny import CLIP_BOS, CLIP_EOS, build_clip_tokenizer, build_t5_tokenizer
+
+    tok1, tok2 = build_clip_tokenizer(77), build_t5_tokenizer()
+    eos = tok1.convert_tokens_to_ids(CLIP_EOS)
+    with torch.device("cpu"):  # the scheduler keeps CPU tensors, whatever the modules' device
+        scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
+    return FluxPipeline(  # CLIP-L without its projection: FLUX reads the pooled output
+        transformer=FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER), scheduler=scheduler, vae=AutoencoderKL(**FLUX_VAE),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**CLIP_L, bos_token_id=tok1.convert_tokens_to_ids(CLIP_BOS),
+                                                  eos_token_id=eos, pad_token_id=eos)), tokenizer=tok1,
+        text_encoder_2=T5EncoderModel(T5Config(**T5_XXL_ENCODER)), tokenizer_2=tok2,
+    )
+
+
 @dataclass(frozen=True)
 class Family:
     """One published checkpoint's architecture."""
@@ -143,6 +170,10 @@ FAMILIES: dict[str, Family] = {
     "wan2.1-t2v-1.3b": Family(
         build=_wan21_t2v_1_3b,
         modules=("transformer", "vae", "text_encoder"),
+    ),
+    "flux.1-dev": Family(
+        build=_flux1_dev,
+        modules=("transformer", "vae", "text_encoder", "text_encoder_2"),
     ),
 }
 

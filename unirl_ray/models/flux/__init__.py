@@ -1,0 +1,31 @@
+"""FLUX family (FLUX.1-dev style: guidance-distilled, 2 x 2 packed latents): config, component bundle,
+Flow-GRPO sampling pipeline, tiny demo model.
+
+Names are imported lazily: ``from unirl_ray.models.flux import FluxPipelineConfig`` does not import
+diffusers / transformers (only ``FluxBundle``, ``FluxPipeline`` and the tiny builder do).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unirl_ray.models.flux.bundle import FluxBundle
+    from unirl_ray.models.flux.config import FluxPipelineConfig, TinyFluxConfig
+    from unirl_ray.models.flux.pipeline import FluxPipeline
+
+_EXPORTS = {
+    "FluxBundle": "bundle",
+    "FluxPipeline": "pipeline",
+    "FluxPipelineConfig": "config",
+    "TinyFluxConfig": "config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

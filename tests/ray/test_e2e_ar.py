@@ -200,8 +200,8 @@ def test_async_trainer_at_max_staleness_zero_on_an_attached_engine_app_reproduce
                      "rollout.attach=engine-app", "pipeline.max_new_tokens=7")
         with pytest.raises(ValueError, match=r"serves another model than this recipe's: pipeline.max_new_tokens: "
                                              r"served \d+, recipe 7"):
-            other.fit()
-        assert getattr(other, "group", None) is None  # refused before the train workers started
+            other.start_services()  # the first thing it does: nothing of the run starts (no reward app, no workers)
+        assert other.group is None and not [a for a in serve.status().applications if a.startswith("other-model")]
 
         steps = 3
         zero = make(AsyncARTrainer, ENGINE, tmp_path, "async-zero", f"trainer.num_steps={steps}",

@@ -101,6 +101,20 @@ def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
     return ((pixels.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
+def decode_image_latents(vae: torch.nn.Module, latents: torch.Tensor, device: torch.device) -> np.ndarray:
+    """Image latents [B, C, h, w], scaled and shifted as the SD3 / FLUX VAEs' config says, -> [B, H, W, 3] uint8."""
+    shift = vae.config.get("shift_factor", None) or 0.0
+    z = latents / vae.config.scaling_factor + shift
+    img = vae.decode(z.to(device=device, dtype=vae.dtype), return_dict=False)[0]
+    return to_uint8(img).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def scale_image_latents(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """Raw VAE latents -> the float32 latents the model sees (the inverse of ``decode_image_latents``' scaling)."""
+    shift = vae.config.get("shift_factor", None) or 0.0
+    return (z.float() - shift) * vae.config.scaling_factor
+
+
 class FlowSDEPipeline(abc.ABC):
     """Flow-GRPO sampling / recomputation around a family's bundle (see the module docstring).
 

@@ -19,7 +19,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 from unirl_ray.config.checks import PositiveInt
-from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, to_uint8
+from unirl_ray.models.flow_sde import (
+    FlowSDEPipeline,
+    GuidanceScale,
+    NoiseLevel,
+    decode_image_latents,
+    scale_image_latents,
+)
 from unirl_ray.models.flux.bundle import FluxBundle
 from unirl_ray.models.flux.config import PACK
 
@@ -170,17 +176,10 @@ class FluxPipeline(FlowSDEPipeline):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents [B, C, h, w] -> [B, H, W, 3] uint8 images."""
-        vae = self.bundle.vae
-        shift = vae.config.get("shift_factor", None) or 0.0
-        z = latents / vae.config.scaling_factor + shift
-        img = vae.decode(z.to(device=self.bundle.device, dtype=vae.dtype), return_dict=False)[0]
-        return to_uint8(img).permute(0, 2, 3, 1).cpu().numpy()
+        return decode_image_latents(self.bundle.vae, latents, self.bundle.device)
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
         """Images [B, 3, H, W] in [-1, 1] -> float32 latents [B, *latent_shape], the inverse of ``decode``."""
-        vae = self.bundle.vae
-        z = self._vae_latents(pixels, generators)
-        shift = vae.config.get("shift_factor", None) or 0.0
-        return (z.float() - shift) * vae.config.scaling_factor
+        return scale_image_latents(self.bundle.vae, self._vae_latents(pixels, generators))

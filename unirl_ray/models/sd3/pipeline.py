@@ -20,7 +20,9 @@ from unirl_ray.models.flow_sde import (  # noqa: F401  (re-exported: the SDE mat
     FlowSDEPipeline,
     GuidanceScale,
     NoiseLevel,
+    decode_image_latents,
     gaussian_log_prob,
+    scale_image_latents,
     sde_step_stats,
     to_uint8,
 )
@@ -154,11 +156,7 @@ class SD3Pipeline(FlowSDEPipeline):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Final latents [B, C, h, w] -> [B, H, W, 3] uint8 images."""
-        vae = self.bundle.vae
-        shift = vae.config.get("shift_factor", None) or 0.0
-        z = latents / vae.config.scaling_factor + shift
-        img = vae.decode(z.to(device=self.bundle.device, dtype=vae.dtype), return_dict=False)[0]
-        return to_uint8(img).permute(0, 2, 3, 1).cpu().numpy()
+        return decode_image_latents(self.bundle.vae, latents, self.bundle.device)
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
@@ -170,7 +168,4 @@ class SD3Pipeline(FlowSDEPipeline):
 
         Supervised flow matching (``unirl_ray.algorithms.SFT``) noises these clean latents.
         """
-        vae = self.bundle.vae
-        z = self._vae_latents(pixels, generators)
-        shift = vae.config.get("shift_factor", None) or 0.0
-        return (z.float() - shift) * vae.config.scaling_factor
+        return scale_image_latents(self.bundle.vae, self._vae_latents(pixels, generators))

@@ -26,7 +26,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from unirl_ray.config.checks import PositiveInt
 from unirl_ray.core.sample import DiffusionPart, Part, TextPart
 from unirl_ray.models.causal_lm.pipeline import CausalLMPipeline, Temperature, TopP
-from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, to_uint8
+from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, decode_image_latents
 
 TEXT_STAGE, IMAGE_STAGE = "text", "image"
 """The stages of a unified sample (``Part.stage``) and the keys of ``UnifiedPipeline.stage_pipelines``."""
@@ -109,11 +109,7 @@ class UnifiedImagePipeline(FlowSDEPipeline):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        vae = self.bundle.vae
-        shift = vae.config.get("shift_factor", None) or 0.0
-        z = latents / vae.config.scaling_factor + shift
-        img = vae.decode(z.to(device=self.bundle.device, dtype=vae.dtype), return_dict=False)[0]
-        return to_uint8(img).permute(0, 2, 3, 1).cpu().numpy()
+        return decode_image_latents(self.bundle.vae, latents, self.bundle.device)
 
 
 def text_of(part: TextPart) -> list[int]:

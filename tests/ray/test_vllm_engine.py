@@ -38,7 +38,7 @@ else:
 from unirl_ray.config.recipe import instantiate  # noqa: E402
 from unirl_ray.rollout.weight_sync import state_checksum  # noqa: E402
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.second_lane]  # .ci/test: on a Ray of its own, beside the shared-Ray lane
 
 GAP = 1e-4
 PROMPTS = ["hello", "aaaa", "what is 2+2? " * 3, "a much longer prompt that fills a cached block: abcdefghij"]

@@ -15,7 +15,7 @@ import support
 
 from unirl_ray.trainer.ar import ARTrainer
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.second_lane]  # .ci/test: on a Ray of its own, beside the shared-Ray lane
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 RECIPE = support.recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 

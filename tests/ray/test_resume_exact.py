@@ -31,7 +31,7 @@ from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
 from unirl_ray.trainer.ar import ARTrainer
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.second_lane]  # .ci/test: on a Ray of its own, beside the shared-Ray lane
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 RECIPE = recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack")

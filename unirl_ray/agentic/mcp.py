@@ -53,7 +53,10 @@ class _Connection:
         from mcp import Client
 
         try:
-            async with Client(server, read_timeout_seconds=self.timeout_s) as client:
+            # a tool call's own deadline (``call``) reports a hung tool; the client's read timeout is only a
+            # backstop, later, so that the two never race (under load the client's used to win and its error
+            # read as a crashed tool)
+            async with Client(server, read_timeout_seconds=self.timeout_s + 30.0) as client:
                 listed = await client.list_tools()
                 self._ready.set_result((client, list(listed.tools)))
                 await self._closing.wait()

@@ -13,8 +13,9 @@ builds a tiny random model from config. Names are imported lazily.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from unirl_ray.models._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from unirl_ray.models.janus.bundle import JanusBundle, JanusPolicy
@@ -33,7 +34,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -6,8 +6,9 @@ diffusers / transformers (only ``SD3Bundle``, ``SD3Pipeline`` and the tiny build
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from unirl_ray.models._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from unirl_ray.models.sd3.bundle import SD3Bundle
@@ -24,7 +25,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -24,7 +24,7 @@ from support import (ONE_WORKER, artifacts, attempts, copy_run, drive, fit, kill
 
 from unirl_ray.trainer.pe import PETrainer
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.second_lane]  # .ci/test: beside the shared-Ray lane
 
 RECIPE = recipe_path("pe", "tiny", "pe_tiny.yaml")
 STEPS, CHECKPOINT, KILL_AT = 14, 7, 9

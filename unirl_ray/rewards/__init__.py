@@ -4,6 +4,7 @@ The Serve parts (``RewardService``, ``RewardClient``, ``build_reward_app``) are 
 that ``unirl_ray.rewards.image`` and ``unirl_ray.rewards.combine`` work without touching Ray.
 """
 
+from unirl_ray._lazy import lazy_getattr
 from unirl_ray.rewards.combine import (
     RewardConfig,
     RewardError,
@@ -50,10 +51,4 @@ __all__ = [
     *_SERVICE_NAMES,
 ]
 
-
-def __getattr__(name: str):
-    if name in _SERVICE_NAMES:
-        from unirl_ray.rewards import service
-
-        return getattr(service, name)
-    raise AttributeError(f"module 'unirl_ray.rewards' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(_SERVICE_NAMES, "service"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from unirl_ray.models._lazy import lazy_getattr
+from unirl_ray._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from unirl_ray.models.sd3.bundle import SD3Bundle

@@ -1,5 +1,5 @@
-"""The lazy exports of the model families' packages: ``from unirl_ray.models.sd3 import SD3PipelineConfig`` imports
-only the config module (no diffusers / transformers), the other names on first use."""
+"""Lazy package exports: ``from unirl_ray.models.sd3 import SD3PipelineConfig`` imports only the config module (no
+diffusers / transformers), and ``unirl_ray.rewards`` works without Ray; the other names are imported on first use."""
 
 from __future__ import annotations
 

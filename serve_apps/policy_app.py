@@ -28,6 +28,6 @@ def app_builder(args: dict) -> Any:
         raise ValueError("the policy app needs a 'source' argument (an exported folder, a Hugging Face model folder "
                          "or models:/<name>/<version>), e.g. `serve run serve_apps.policy_app:app_builder "
                          "source=/path/to/export`")
-    text = ("source", "name", "api_key", "tracking_uri")  # kept as given; the other args are YAML values
+    text = ("source", "name", "api_key", "tracking_uri", "engine")  # kept as given; the other args are YAML values
     kwargs = {k: yaml.safe_load(v) if isinstance(v, str) and k not in text else v for k, v in args.items()}
     return build_policy_app(kwargs.pop("source"), **kwargs)

@@ -1,6 +1,7 @@
 """``python -m unirl_ray.serve FOLDER``, end to end: its own embedded Ray, the policy on a Ray Serve replica behind
 an HTTP proxy on loopback, the official ``openai`` client against it (API key, chat, streaming, completions), then
-SIGTERM: the app is deleted and the process exits 0."""
+SIGTERM: the app is deleted and the process exits 0. This is the Hugging Face replica (``--engine hf``); the same
+builder's vLLM app (``ray.serve.llm``) is tested in ``tests/ray/test_vllm_engine.py``."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_one_command_serves_an_exported_model_to_the_openai_client(tmp_path):
     port = support.free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "unirl_ray.serve", str(folder), "--port", str(port), "--name", "mine",
-                             "--api-key", "k", "--num-cpus", "0.5"], stdout=log, stderr=subprocess.STDOUT,
+                             "--api-key", "k", "--num-cpus", "0.5", "--engine", "hf"], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         deadline = time.monotonic() + 240

@@ -10,7 +10,9 @@ hosts it), the checks run here against the Hugging Face model with the same weig
 - a bad update (unknown name, wrong shape) or a reload that fails halfway raises and the engine
   keeps serving the previous version, exactly;
 - LoRA-only updates are merged into the base weights;
-- an ARTrainer run with ``rollout.engine=vllm``: versions advance, ``rollout/logp_gap`` < 1e-4.
+- an ARTrainer run with ``rollout.engine=vllm``: versions advance, ``rollout/logp_gap`` < 1e-4;
+- the policy app of an export on vLLM (``ray.serve.llm``) answers the ``openai`` client as the Hugging Face
+  model would (greedy).
 """
 
 from __future__ import annotations
@@ -141,6 +143,56 @@ def check_samples(pipeline, samples, reqs, version: int) -> None:
         assert stops in ([], [n - 1]), part.completion_ids  # at most one stop token, the last one
         if not stops:
             assert n == pipeline.max_new_tokens
+
+
+# ------------------------------------------------------------------ serving an export
+def test_the_policy_app_serves_an_export_with_vllm_to_the_openai_client(ray_local, tmp_path):
+    """``build_policy_app`` where vLLM is installed (``engine="auto"``): ``ray.serve.llm``'s ``LLMServer`` runs
+    vLLM's CPU engine behind its ``OpenAiIngress`` on Serve's HTTP proxy (loopback), with the API key in front.
+    The official ``openai`` client: the model list, a greedy chat answer equal to the Hugging Face model's own
+    greedy continuation (same weights, same chat template), streaming that adds up to it, a completion, 401 for
+    a wrong key, 404 for another model's name."""
+    import openai
+    from ray import serve
+    from support import free_port
+
+    from unirl_ray.models.causal_lm import CausalLMBundle, CausalLMConfig, TinyLMConfig
+    from unirl_ray.runtime.serve import delete_apps, run_app, start_serve
+    from unirl_ray.serve.deployment import build_policy_app
+    from unirl_ray.serve.openai_api import TextPolicy
+
+    folder = tmp_path / "served"
+    CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(seed=5))).save_pretrained(str(folder))
+    app = build_policy_app(str(folder), name="mine", api_key="k", ray_actor_options={"num_cpus": 0.5},
+                           engine_kwargs={"max_model_len": 128, "block_size": 32, "kv_cache_memory_bytes": 64 << 20})
+    with pytest.raises(ValueError, match="engine_kwargs are vLLM engine options"):
+        build_policy_app(str(folder), engine="hf", engine_kwargs={"max_model_len": 128})
+    serve.shutdown()  # the first Serve of this module (run alone, a Serve without a proxy may be up): with one on loopback
+    port = free_port()
+    start_serve(http_port=port)
+    try:
+        run_app(app, "policy", route_prefix="/", timeout_s=300)
+        deployments = sorted(serve.status().applications["policy"].deployments)
+        assert any(d.startswith("LLMServer") for d in deployments) and "PolicyServer" not in deployments, deployments
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["mine"]
+        messages = [{"role": "user", "content": "hi"}]
+        chat = client.chat.completions.create(model="mine", messages=messages, max_tokens=6, temperature=0)
+        hf = TextPolicy(str(folder))
+        want = hf.generate(hf.chat_prompt_ids(messages), max_tokens=6, temperature=0.0)[0]
+        assert chat.choices[0].message.content == want.text and chat.usage.completion_tokens == want.completion_tokens
+        pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
+            model="mine", messages=messages, max_tokens=6, temperature=0, stream=True)
+            if c.choices and c.choices[0].delta.content]
+        assert len(pieces) >= 2 and "".join(pieces) == want.text
+        done = client.completions.create(model="mine", prompt="ab", max_tokens=3, temperature=0)
+        assert done.choices[0].text == hf.generate(hf.text_prompt_ids("ab"), max_tokens=3, temperature=0.0)[0].text
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="other", messages=messages, max_tokens=2)
+    finally:
+        delete_apps(["policy"])  # the proxy stays: the trainer runs below deploy their engines on this Serve
 
 
 @pytest.fixture(scope="module")
@@ -304,8 +356,9 @@ RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "ar", "
 def test_ar_trainer_with_vllm_engine(ray_local, tmp_path, placement):
     """Colocated: the vLLM engine sleeps between rollouts (a no-op on vLLM's CPU backend, which has no
     sleep mode; on GPUs it frees weights and KV cache) and catches up to the latest version on wake.
-    Separate: two FSDP2 ranks gather the weights they export to the engine; the colocated run has one
-    train worker (the rank count does not matter to it, and one starts faster)."""
+    Separate: the engine receives every version from the weight store. One train worker with both CPUs in
+    either placement (two FSDP2 ranks gather the weights they export to a dedicated engine in
+    ``tests/ray/test_e2e_pe.py``; the engine's side does not depend on the rank count)."""
     from unirl_ray.config.recipe import load_recipe
     from unirl_ray.trainer.ar import ARTrainer
 
@@ -321,7 +374,7 @@ def test_ar_trainer_with_vllm_engine(ray_local, tmp_path, placement):
             "rollout.engine=vllm",
             "+rollout.engine_kwargs={block_size: 32}",  # vllm.LLM options travel to the Serve replica
             "+bundle.config.tiny={_target_: unirl_ray.models.causal_lm.TinyLMConfig, tie_word_embeddings: true}",
-            *(("ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2") if placement == "colocated" else ()),
+            "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2",
         ],
     )
     trainer = ARTrainer(cfg)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible policy API (``unirl_ray.serve.openai_api``) over uvicorn on loopback, spoken to with the
 official ``openai`` client: what it serves is what the model generates, streaming gives the same text token by
 token, stop strings cut where they begin, and every bad request gets its status and reason. No Ray here; the
-Serve deployment and the one-command server are tested end to end in ``tests/ray/test_policy_serve.py``."""
+Serve deployment and the one-command server are tested end to end in ``tests/ray/test_policy_serve.py``, the vLLM
+app of the same builder in ``tests/ray/test_vllm_engine.py``."""
 
 from __future__ import annotations
 
@@ -299,3 +300,41 @@ def test_a_text_to_image_export_answers_images_generations(tmp_path, server):
 
 def np_pixels(image):
     return list(image.convert("RGB").getdata())
+
+
+def test_the_builder_picks_vllm_for_a_local_llm_folder_where_it_is_installed_else_hugging_face(folder, tmp_path,
+                                                                                               monkeypatch):
+    """``engine="auto"`` serves a local causal-LM folder with vLLM (``ray.serve.llm``) where vLLM is installed, and
+    with the Hugging Face replica where it is not, for an MLflow URI (downloaded on the replica) and for a folder
+    not on this machine; ``engine="vllm"`` says what it cannot serve and how to install it; bad arguments fail in
+    the builder. (The vLLM app itself answers the ``openai`` client in ``tests/ray/test_vllm_engine.py``.)"""
+    from unirl_ray.serve import vllm_app
+    from unirl_ray.serve.deployment import _vllm_model_path, build_policy_app
+
+    monkeypatch.setattr(vllm_app, "vllm_available", lambda: True)
+    assert _vllm_model_path(folder, "auto", None) == (folder, "tiny-policy")
+    assert _vllm_model_path(folder, "vllm", None) == (folder, "tiny-policy")
+    for source, engine in ((folder, "hf"), ("models:/m/1", "auto"), (str(tmp_path / "elsewhere"), "auto")):
+        assert _vllm_model_path(source, engine, None) is None, (source, engine)
+    with pytest.raises(ValueError, match="does not exist"):
+        _vllm_model_path(str(tmp_path / "elsewhere"), "vllm", None)
+    export = tmp_path / "kept-apart"  # an export whose LoRA adapters were kept apart: Hugging Face merges them on load
+    (export / "model").mkdir(parents=True)
+    CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(seed=4))).save_pretrained(str(export / "model"))
+    from unirl_ray.train.export import ExportInfo
+
+    info = ExportInfo(path=str(export), model_path=str(export / "model"), adapter_path=str(export / "lora_adapter"),
+                      bundle="CausalLMBundle", trainable_attr="model", lora=True, merged_lora=False, policy_version=3)
+    (export / INFO_FILE).write_text(json.dumps(info.to_json()))
+    assert _vllm_model_path(str(export), "auto", None) is None
+    with pytest.raises(ValueError, match="LoRA adapters kept apart: vLLM serves causal LMs with their weights merged"):
+        _vllm_model_path(str(export), "vllm", None)
+
+    monkeypatch.setattr(vllm_app, "vllm_available", lambda: False)
+    assert _vllm_model_path(folder, "auto", None) is None
+    with pytest.raises(ValueError, match=r"engine='vllm' needs vLLM and ray.serve.llm: pip install"):
+        build_policy_app(folder, engine="vllm")
+    with pytest.raises(ValueError, match="engine must be one of auto, hf, vllm"):
+        build_policy_app(folder, engine="trt")
+    with pytest.raises(ValueError, match="engine_kwargs are vLLM engine options"):
+        build_policy_app(folder, engine="hf", engine_kwargs={"max_model_len": 64})

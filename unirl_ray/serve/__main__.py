@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
     parser.add_argument("--torch-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--engine", default="auto", choices=("auto", "hf", "vllm"),
+                        help="what serves an LLM: vllm (ray.serve.llm), hf (Hugging Face generate), or auto (default: "
+                             "vllm where it is installed and the source is a local folder it loads, else hf)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow store of a models:/ or runs:/ source")
     parser.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else embedded)")
     parser.add_argument("--app-name", default="policy")
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # bad sizes fail here too, before Ray starts
         app = build_policy_app(source, name=args.name, api_key=args.api_key, num_replicas=args.num_replicas,
                                ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
-                               torch_dtype=args.torch_dtype, tracking_uri=args.tracking_uri)
+                               torch_dtype=args.torch_dtype, tracking_uri=args.tracking_uri, engine=args.engine)
     except ValueError as exc:
         parser.error(str(exc))
     where = ensure_ray(RayConfig(address=args.address))

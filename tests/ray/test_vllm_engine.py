@@ -151,7 +151,8 @@ def test_the_policy_app_serves_an_export_with_vllm_to_the_openai_client(ray_loca
     vLLM's CPU engine behind its ``OpenAiIngress`` on Serve's HTTP proxy (loopback), with the API key in front.
     The official ``openai`` client: the model list, a greedy chat answer equal to the Hugging Face model's own
     greedy continuation (same weights, same chat template), streaming that adds up to it, a completion, 401 for
-    a wrong key, 404 for another model's name."""
+    a wrong key, 404 for another model's name, no CORS headers for a web page's request."""
+    import httpx
     import openai
     from ray import serve
     from support import free_port
@@ -191,6 +192,10 @@ def test_the_policy_app_serves_an_export_with_vllm_to_the_openai_client(ray_loca
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=messages, max_tokens=2)
+        # no allow-any-origin CORS (ray.serve.llm's default): a web page cannot read a local model's answers
+        seen = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60,
+                         headers={"Origin": "http://page.example", "Authorization": "Bearer k"})
+        assert seen.status_code == 200 and "access-control-allow-origin" not in seen.headers, dict(seen.headers)
     finally:
         delete_apps(["policy"])  # the proxy stays: the trainer runs below deploy their engines on this Serve
 

@@ -30,7 +30,8 @@ class PolicyServer:
 ENGINES = ("auto", "hf", "vllm")
 """What serves a causal LM: ``hf`` (``PolicyServer``, Hugging Face ``generate``), ``vllm`` (``ray.serve.llm``, see
 ``vllm_app``) or ``auto``: vLLM where it is installed and the source is a folder on this machine that it can load
-(an export with merged weights or a Hugging Face folder), else ``hf``. Text-to-image models are always served by ``PolicyServer``."""
+(an export with merged weights or a Hugging Face folder), else ``hf``. Text-to-image models are always served by
+``PolicyServer``."""
 
 
 def build_policy_app(source: str, *, name: str | None = None, api_key: str | None = None, num_replicas: int = 1,

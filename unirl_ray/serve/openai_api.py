@@ -445,15 +445,21 @@ async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResp
     return APIError(400, message, param=where or None).response()
 
 
+def api_key_rejection(request: Request, api_key: str | None) -> JSONResponse | None:
+    """The 401 answer to ``request`` when ``api_key`` is set and the request does not carry it as
+    ``Authorization: Bearer <key>`` (compared in constant time), else ``None``."""
+    if api_key is None:
+        return None
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    if hmac.compare_digest(token.encode(), str(api_key).encode()):
+        return None
+    return APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                    kind="authentication_error", code="invalid_api_key").response()
+
+
 async def _auth(request: Request, call_next):
-    api_key = _get(request, "api_key")
-    if api_key is not None:
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), str(api_key).encode()):
-            return APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                            kind="authentication_error", code="invalid_api_key").response()
-    return await call_next(request)
+    return api_key_rejection(request, _get(request, "api_key")) or await call_next(request)
 
 
 def _check_model(policy: TextPolicy | ImagePolicy, name: str) -> None:

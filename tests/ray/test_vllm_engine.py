@@ -146,6 +146,7 @@ def check_samples(pipeline, samples, reqs, version: int) -> None:
 
 
 # ------------------------------------------------------------------ serving an export
+@pytest.mark.e2e
 def test_the_policy_app_serves_an_export_with_vllm_to_the_openai_client(ray_local, tmp_path):
     """``build_policy_app`` where vLLM is installed (``engine="auto"``): ``ray.serve.llm``'s ``LLMServer`` runs
     vLLM's CPU engine behind its ``OpenAiIngress`` on Serve's HTTP proxy (loopback), with the API key in front.
@@ -164,11 +165,12 @@ def test_the_policy_app_serves_an_export_with_vllm_to_the_openai_client(ray_loca
 
     folder = tmp_path / "served"
     CausalLMBundle.from_config(CausalLMConfig(tiny=TinyLMConfig(seed=5))).save_pretrained(str(folder))
+    engine_kwargs = {"max_model_len": 128, "block_size": 32, "kv_cache_memory_bytes": 64 << 20}
     app = build_policy_app(str(folder), name="mine", api_key="k", ray_actor_options={"num_cpus": 0.5},
-                           engine_kwargs={"max_model_len": 128, "block_size": 32, "kv_cache_memory_bytes": 64 << 20})
+                           engine_kwargs=engine_kwargs)
     with pytest.raises(ValueError, match="engine_kwargs are vLLM engine options"):
         build_policy_app(str(folder), engine="hf", engine_kwargs={"max_model_len": 128})
-    serve.shutdown()  # the first Serve of this module (run alone, a Serve without a proxy may be up): with one on loopback
+    serve.shutdown()  # the module's first Serve (run alone, one without a proxy may be up): a proxy on loopback
     port = free_port()
     start_serve(http_port=port)
     try:

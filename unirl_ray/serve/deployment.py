@@ -48,7 +48,8 @@ def build_policy_app(source: str, *, name: str | None = None, api_key: str | Non
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine_kwargs and engine == "hf":
-        raise ValueError("engine_kwargs are vLLM engine options: they need engine='vllm' (or 'auto' with vLLM installed)")
+        raise ValueError("engine_kwargs are vLLM engine options: they need engine='vllm' (or 'auto' with vLLM "
+                         "installed)")
     vllm_folder = _vllm_model_path(source, engine, tracking_uri)
     if vllm_folder is not None:
         from unirl_ray.serve.vllm_app import build_vllm_policy_app

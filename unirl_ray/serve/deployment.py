@@ -47,10 +47,11 @@ def build_policy_app(source: str, *, name: str | None = None, api_key: str | Non
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine_kwargs and engine == "hf":
-        raise ValueError("engine_kwargs are vLLM engine options: they need engine='vllm' (or 'auto' with vLLM "
-                         "installed)")
     vllm_folder = _vllm_model_path(source, engine, tracking_uri)
+    if engine_kwargs and vllm_folder is None:  # never dropped in silence
+        raise ValueError(f"engine_kwargs are vLLM engine options, and {source!r} is served by the Hugging Face replica "
+                         "here (engine='hf', no vLLM installed, or a source vLLM does not load: see ENGINES); drop "
+                         "them, or serve a local folder with merged weights with engine='vllm'")
     if vllm_folder is not None:
         from unirl_ray.serve.vllm_app import build_vllm_policy_app
 

@@ -117,7 +117,8 @@ class ScriptedEngine:
 def test_partial_rollout_policies(ray_local, policy):
     import ray
 
-    from unirl_ray.rollout.async_stream import RolloutStage, VersionGate
+    from unirl_ray.rollout.async_stream import RolloutStage
+    from unirl_ray.runtime.version_gate import VersionGate
 
     gate = VersionGate.remote(3)
     engine = ScriptedEngine(gate, bump=4)
@@ -136,7 +137,7 @@ def test_partial_rollout_policies(ray_local, policy):
 def test_gate_wait_is_bounded_and_closable(ray_local):
     import ray
 
-    from unirl_ray.rollout.async_stream import StreamClosed, VersionGate
+    from unirl_ray.runtime.version_gate import StreamClosed, VersionGate
 
     gate = VersionGate.remote(0)
     with pytest.raises(TimeoutError, match="waited 1s for policy version 2"):

@@ -29,7 +29,6 @@ version, counted in ``async/samples_resampled``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import pickle
 import threading
@@ -41,6 +40,7 @@ import ray
 
 from unirl_ray.core.sample import Sample
 from unirl_ray.runtime.imports import import_ray_library
+from unirl_ray.runtime.version_gate import VersionGate
 
 log = logging.getLogger(__name__)
 
@@ -54,52 +54,6 @@ def _dumps(obj: Any) -> bytes:
 
 def _loads(data: Any) -> Any:
     return pickle.loads(bytes(data))  # rows of this job's own stages only
-
-
-class StreamClosed(RuntimeError):
-    """The trainer closed the stream (it finished or failed); stages stop waiting."""
-
-
-@ray.remote(num_cpus=0)
-class VersionGate:
-    """The latest policy version every engine replica serves; rollout stages wait on it."""
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self.closed: str | None = None
-        self.changed = asyncio.Condition()
-
-    async def publish(self, version: int) -> int:
-        async with self.changed:
-            if version < self.version:
-                raise ValueError(f"versions must not go back: published v{self.version}, got v{version}")
-            self.version = version
-            self.changed.notify_all()
-        return self.version
-
-    async def close(self, reason: str) -> None:
-        async with self.changed:
-            self.closed = reason
-            self.changed.notify_all()
-
-    async def current(self) -> int:
-        return self.version
-
-    async def wait_for(self, version: int, timeout_s: float) -> int:
-        """The current version once it is ``>= version``; raises ``StreamClosed`` / ``TimeoutError``."""
-        async with self.changed:
-            try:
-                await asyncio.wait_for(
-                    self.changed.wait_for(lambda: self.version >= version or self.closed is not None), timeout_s
-                )
-            except asyncio.TimeoutError:
-                raise TimeoutError(
-                    f"the rollout waited {timeout_s:.0f}s for policy version {version} (the trainer has published "
-                    f"v{self.version}); training is stuck or much slower than async_rollout.wait_timeout_s allows"
-                ) from None
-            if self.closed is not None:
-                raise StreamClosed(self.closed)
-            return self.version
 
 
 class RolloutStage:

@@ -92,6 +92,7 @@ INTERNAL_MODULES = (
     "unirl_ray.train.rank",
     "unirl_ray.runtime.timeouts",
     "unirl_ray.runtime.train_group",
+    "unirl_ray.runtime.version_gate",
     "unirl_ray.runtime.worker",
     "unirl_ray.rewards.service",
     "unirl_ray.rollout.async_stream",

@@ -1,11 +1,16 @@
 """Exact resume and restart of the AR trainer through Ray Train checkpoints (``ray.train.report`` + DCP
-shards) on CPU, 2 FSDP2 ranks over gloo.
+shards) on CPU, 2 FSDP2 ranks over gloo, on a simulated multi-node cluster (``ray.cluster_utils.Cluster``: a
+head, three nodes with one CPU and one ``train`` resource each, and a ``services`` node that holds the reward
+app). The ranks run on two different train nodes (``placement_strategy: STRICT_SPREAD``); the checkpoints are
+on a path every node reaches (one machine's folder here, shared or cloud storage on a real cluster).
 
-One straight run serves every test here: GRPO to step 6 with a checkpoint every 2 steps, in which rank 1
-is SIGKILLed while step 6 trains. Ray Train restarts the worker group (``ray.max_failures``), the
-restarted workers load the step-4 checkpoint, the controller rewinds to it and runs steps 5 and 6 again:
-the same steps, prompts and numbers, one MLflow run, the restart counted. Its step-2 and step-4
-checkpoints were written before the kill, so they are those of an uninterrupted run.
+One straight run serves every test here: GRPO to step 6 with a checkpoint every 2 steps, in which the node of
+rank 1 dies while step 6 starts (its raylet is killed, and its processes with it, as when a machine goes
+away). Ray Train restarts the worker group (``ray.max_failures``) on the nodes left (rank 1 on the spare
+one), the restarted workers load the step-4 checkpoint, the controller rewinds to it and runs steps 5 and 6
+again: the same steps, prompts and numbers, one MLflow run, the restart counted. Its step-2 and step-4
+checkpoints were written before the node died, so they are those of an uninterrupted run. (A SIGKILLed rank
+is the same restart: the diffusion, SFT, unified and agentic modules test that one.)
 
 Its storage folder is copied while step 3 trains (``support.copy_run``: the step-2 checkpoint committed,
 nothing newer): a fit of the copy resumes after step 2, as a job stopped there would. Resuming to step 4
@@ -19,23 +24,28 @@ agree to float rounding, not bit for bit.
 
 import json
 import os
+import time
 
+import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
-from support import attempts, copy_run, fit, kill_rank, load, make, recipe_path
+from support import attempts, copy_run, fit, load, make, recipe_path
 
 from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
 from unirl_ray.trainer.ar import ARTrainer
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.first_lane]  # .ci/test: after the shared-Ray modules
 
 RECIPE = recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack")
-COMMON = ("trainer.checkpoint_every=2", "tracking.log_samples_every=0", "ray.scaling.num_workers=2")
+COMMON = ("trainer.checkpoint_every=2", "tracking.log_samples_every=0", "ray.scaling.num_workers=2",
+          "ray.scaling.resources_per_worker={CPU: 1, train: 1}", "+ray.scaling.placement_strategy=STRICT_SPREAD",
+          "++reward.placement=serve", "reward.ray_actor_options={num_cpus: 0.25, resources: {services: 0.01}}")
+TRAIN_NODES = 3  # two ranks and a spare for the restart
 STEPS = 6
 
 
@@ -56,32 +66,78 @@ def trained_state(storage, name, step):
 
 
 @pytest.fixture(scope="module")
-def killed(ray_local, tmp_path_factory):
+def cluster():
+    """The simulated cluster (see the module docstring); yields ``(cluster, {name: node})``."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        nodes = {f"train{i}": cluster.add_node(num_cpus=1, resources={"train": 1}) for i in range(TRAIN_NODES)}
+        nodes["services"] = cluster.add_node(num_cpus=1, resources={"services": 1})
+        ray.init(address=cluster.address)
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def actor_nodes(class_name):
+    """Node ids of the live actors of a class (from the GCS: this cluster has no dashboard for the state API)."""
+    from ray._private import state
+
+    return [a["Address"]["NodeID"] for a in state.actors().values()
+            if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+
+
+@pytest.fixture(scope="module")
+def killed(cluster, tmp_path_factory):
     """The straight run (see the module docstring): (trainer, storage, pids killed, first prompts per step,
-    two copies of its storage made while step 3 trained)."""
+    two copies of its storage made while step 3 trained, nodes of the ranks per step and call, the dead node,
+    nodes of the reward replicas)."""
+    cluster, nodes = cluster
     storage, copies = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("copies")
     at_step_2 = (copies / "two_workers", copies / "one_worker")
     trainer = make(ARTrainer, RECIPE, storage, "killed", f"trainer.num_steps={STEPS}", *COMMON, "++ray.max_failures=1",
                    "++ray.num_checkpoints_to_keep=null", experiment="faults")
-    pids, first_draw, original = [], {}, trainer.train
+    pids, first_draw, placed, dead, reward_nodes, original = [], {}, {}, [], [], trainer.train
 
     def train(samples, *, seed):
         step, prompts = trainer.prompt_log[-1]
         first_draw.setdefault(step, prompts)
+        ranks = trainer.group.call("ping", {})
+        placed.setdefault(step, []).append([r["node_id"] for r in ranks])
+        if step == 1:
+            reward_nodes.extend(actor_nodes("ServeReplica:killed-reward:RewardService"))
         if step == 3 and not at_step_2[0].exists():
             for copy in at_step_2:
                 copy_run(trainer, copy)
-        if step == STEPS and not pids:  # step 6's samples are out, its training starts
-            pids.append(kill_rank(trainer, 1))
+        if step == STEPS and not pids:  # step 6's samples are out: rank 1's node dies before it trains
+            trainer.group.wait_committed()  # the step-4 checkpoint is what the restart loads
+            node = next(n for n in nodes.values() if n.node_id == ranks[1]["node_id"])
+            cluster.remove_node(node, allow_graceful=False)
+            dead.append(node.node_id)
+            pids.append(ranks[1]["pid"])
+            deadline = time.monotonic() + 60
+            while psutil.pid_exists(pids[0]):  # its worker ends once it finds its raylet gone (~2 s)
+                assert time.monotonic() < deadline, "the dead node's train worker is still running after 60 s"
+                time.sleep(0.1)
         return original(samples, seed=seed)
 
     trainer.train = train
     trainer.fit()
-    return trainer, storage, pids, first_draw, at_step_2
+    return trainer, storage, pids, first_draw, at_step_2, placed, dead, reward_nodes, nodes
 
 
-def test_killed_worker_mid_step_is_restarted_and_the_run_ends_as_if_nothing_happened(killed):
-    trainer, _, pids, first_draw, _ = killed
+def test_the_ranks_and_the_reward_app_run_on_their_nodes_and_a_dead_node_is_survived(killed):
+    trainer, _, pids, first_draw, _, placed, dead, reward_nodes, nodes = killed
+    train_nodes = {nodes[f"train{i}"].node_id for i in range(TRAIN_NODES)}
+    before, after = placed[STEPS]  # rank nodes as step 6 first started, and when it ran again after the restart
+    assert len(set(before)) == 2 and set(before) <= train_nodes  # one rank per train node
+    assert all(p == before for s, calls in placed.items() for p in calls if s < STEPS - 1)  # until the node died
+    assert dead == [before[1]] and len(set(after)) == 2 and set(after) <= train_nodes - set(dead)  # the spare took over
+    assert placed[STEPS - 1][-1] == after  # step 5 ran again on the restarted group
+    assert reward_nodes == [nodes["services"].node_id]  # the reward app's replica, on the services node
     assert pids and trainer.restarts == 1 and trainer.policy_version == STEPS
     assert [s for s, _ in trainer.prompt_log] == list(range(1, STEPS + 1))
     assert dict(trainer.prompt_log) == first_draw  # the data cursor rewound: steps 5, 6 drew the same prompts
@@ -98,11 +154,11 @@ def test_killed_worker_mid_step_is_restarted_and_the_run_ends_as_if_nothing_happ
 
 
 def test_resume_is_exact_and_reshards_onto_fewer_workers(killed):
-    _, straight_dir, _, _, (split_dir, reshard_dir) = killed  # the same step-2 checkpoint; the second on 1 worker
+    _, straight_dir, _, _, (split_dir, reshard_dir), *_ = killed  # the same step-2 checkpoint; the second on 1 worker
     resumed = fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=4", *COMMON, experiment="e2e-resume")
     assert resumed.prompt_log[0][0] == 3  # resumed after the saved step, in the same MLflow run
     fit(ARTrainer, RECIPE, reshard_dir, "killed", "trainer.num_steps=4", *COMMON, "ray.scaling.num_workers=1",
-        "ray.scaling.resources_per_worker.CPU=2", experiment="e2e-resume")
+        experiment="e2e-resume")
 
     want_params, want_moments, want_state = trained_state(straight_dir, "killed", 4)
     got_params, got_moments, got_state = trained_state(split_dir, "killed", 4)

@@ -203,8 +203,7 @@ class BaseTrainer(ABC):
             return {}
         status = "FAILED"
         try:
-            last = self.run_steps(self.setup())
-            self.group.wait_committed()  # the last checkpoint is on storage before the run counts as finished
+            last = self.commit_last(self.run_steps(self.setup()))
             self.export_at_end()
             status = "FINISHED"
             self._mark_finished()
@@ -355,6 +354,20 @@ class BaseTrainer(ABC):
             step += 1
         return metrics
 
+    def commit_last(self, last: dict[str, Any]) -> dict[str, Any]:
+        """Wait until the last checkpoint is on storage (a run counts as finished only then); returns the last
+        step's metrics. A worker-group restart meanwhile (a worker, or its node, died after the last step)
+        is recovered as one during a step: the restarted workers loaded the last committed checkpoint, and the
+        steps after it run again before the next wait."""
+        while True:
+            try:
+                self.group.wait_committed()
+                return last
+            except WorkerGroupRestarted as exc:
+                restored = self.recover(self.run_cfg.num_steps, exc)
+                if restored < self.run_cfg.num_steps:
+                    last = self.run_steps(restored)
+
     def _first_step_done(self) -> dict[str, float]:
         """After the first step this process ran: the start-up milestones (printed; returned to be logged
         with the step's metrics); ``{}`` after any other."""
@@ -377,7 +390,8 @@ class BaseTrainer(ABC):
         self.restore(state)
         self.after_restart(announced, restored)
         self.tracker.log_metrics({"fault/worker_group_restarts": float(self.restarts)}, step=restored)
-        console(f"resumed after step {restored}; steps {restored + 1}..{step} run again")
+        console(f"resumed after step {restored}; " + (f"steps {restored + 1}..{step} run again" if restored < step
+                                                        else "its checkpoint holds every step done so far"))
         return restored
 
     def after_restart(self, announced: dict[str, Any], restored_step: int) -> None:

@@ -1,25 +1,29 @@
 """Exact resume and restart of the AR trainer through Ray Train checkpoints (``ray.train.report`` + DCP
 shards) on CPU, 2 FSDP2 ranks over gloo, on a simulated multi-node cluster (``ray.cluster_utils.Cluster``: a
-head, three nodes with one CPU and one ``train`` resource each, and a ``services`` node that holds the reward
-app). The ranks run on two different train nodes (``placement_strategy: STRICT_SPREAD``); the checkpoints are
-on a path every node reaches (one machine's folder here, shared or cloud storage on a real cluster).
+head, three nodes with one CPU and one ``train`` resource each, and a ``services`` node for the Serve apps).
+The ranks run on two different train nodes (``placement_strategy: STRICT_SPREAD``), the dedicated rollout
+engine and the reward app on the services node, the run's own control actors (command broker, weight store) on
+the driver's node; the checkpoints are on a path every node reaches (one machine's folder here, shared or cloud
+storage on a real cluster).
 
-One straight run serves every test here: GRPO to step 6 with a checkpoint every 2 steps, in which the node of
-rank 1 dies while step 6 starts (its raylet is killed, and its processes with it, as when a machine goes
-away). Ray Train restarts the worker group (``ray.max_failures``) on the nodes left (rank 1 on the spare
-one), the restarted workers load the step-4 checkpoint, the controller rewinds to it and runs steps 5 and 6
-again: the same steps, prompts and numbers, one MLflow run, the restart counted. Its step-2 and step-4
-checkpoints were written before the node died, so they are those of an uninterrupted run. (A SIGKILLed rank
-is the same restart: the diffusion, SFT, unified and agentic modules test that one.)
+One straight run serves every test here: GRPO with the dedicated engine to step 6 with a checkpoint every 2
+steps, in which the node of rank 1 dies as step 6 starts (its raylet is killed, and its processes with it, as
+when a machine goes away). Ray Train restarts the worker group (``ray.max_failures``) on the nodes left (rank 1
+on the spare one), the restarted workers load the step-4 checkpoint, the controller rewinds to it, republishes
+its weights to the engine and runs steps 5 and 6 again: the same steps, prompts and numbers, one MLflow run, the
+restart counted. Its step-2 and step-4 checkpoints were written before the node died, so they are those of an
+uninterrupted run. (A SIGKILLed rank is the same restart: the diffusion, SFT, unified and agentic modules test
+that one.)
 
 Its storage folder is copied while step 3 trains (``support.copy_run``: the step-2 checkpoint committed,
-nothing newer): a fit of the copy resumes after step 2, as a job stopped there would. Resuming to step 4
-must give bit-identical parameters and optimizer state to that run: every random choice is derived from
-(seed, step, index), the DCP checkpoint holds model, optimizer, scheduler, EMA and per-rank RNG state, and
-the controller state holds the data cursor. Resuming the same step-2 checkpoint on ONE worker instead of two (DCP reshards the FSDP2
-shards) continues the same run: the mini-batch is counted over all ranks, so the math is the same, but
-gloo's two-rank gradient reduction adds in a different order than one rank does, so the parameters
-agree to float rounding, not bit for bit.
+nothing newer): a fit of the copy resumes after step 2, as a job stopped there would, here with the train ranks
+sampling instead of the engine (``trainer.resume_changed_recipe``: the same weights and seeds give the same
+samples either way). Resuming to step 4 must give bit-identical parameters and optimizer state to the straight
+run: every random choice is derived from (seed, step, index), the DCP checkpoint holds model, optimizer,
+scheduler, EMA and per-rank RNG state, and the controller state holds the data cursor. Resuming the same step-2
+checkpoint on ONE worker instead of two (DCP reshards the FSDP2 shards) continues the same run: the mini-batch is
+counted over all ranks, so the math is the same, but gloo's two-rank gradient reduction adds in a different
+order than one rank does, so the parameters agree to float rounding, not bit for bit.
 """
 
 import json
@@ -41,10 +45,13 @@ from unirl_ray.trainer.ar import ARTrainer
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.first_lane]  # .ci/test: after the shared-Ray modules
 
 RECIPE = recipe_path("ar", "tiny", "char_grpo_direct.yaml")
+ENGINE = recipe_path("ar", "tiny", "char_grpo_engine.yaml")  # the straight run's: a dedicated engine app
 SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack")
 COMMON = ("trainer.checkpoint_every=2", "tracking.log_samples_every=0", "ray.scaling.num_workers=2",
           "ray.scaling.resources_per_worker={CPU: 1, train: 1}", "+ray.scaling.placement_strategy=STRICT_SPREAD",
           "++reward.placement=serve", "reward.ray_actor_options={num_cpus: 0.25, resources: {services: 0.01}}")
+# the resumed runs sample on the train ranks instead of an engine (the same samples from the same weights and seeds)
+SWITCHED = "+trainer.resume_changed_recipe=true"
 TRAIN_NODES = 3  # two ranks and a spare for the restart
 STEPS = 6
 
@@ -82,33 +89,41 @@ def cluster():
         cluster.shutdown()
 
 
-def actor_nodes(class_name):
-    """Node ids of the live actors of a class (from the GCS: this cluster has no dashboard for the state API)."""
+def actor_nodes(prefix):
+    """{actor class: node ids of its live actors} for the classes named ``prefix...`` (from the GCS: this cluster
+    has no dashboard for the state API); a Serve replica's class is ``ServeReplica:<app>:<deployment>``, a class
+    defined in a function is named without its ``<function>.<locals>.`` qualification."""
     from ray._private import state
 
-    return [a["Address"]["NodeID"] for a in state.actors().values()
-            if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+    nodes = {}
+    for actor in state.actors().values():
+        name = actor["ActorClassName"].rsplit(".", 1)[-1]
+        if name.startswith(prefix) and actor["State"] == "ALIVE":
+            nodes.setdefault(name, []).append(actor["Address"]["NodeID"])
+    return nodes
 
 
 @pytest.fixture(scope="module")
 def killed(cluster, tmp_path_factory):
     """The straight run (see the module docstring): (trainer, storage, pids killed, first prompts per step,
     two copies of its storage made while step 3 trained, nodes of the ranks per step and call, the dead node,
-    nodes of the reward replicas)."""
+    nodes of the Serve replicas and control actors, the cluster, its nodes by name)."""
     cluster, nodes = cluster
     storage, copies = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("copies")
     at_step_2 = (copies / "two_workers", copies / "one_worker")
-    trainer = make(ARTrainer, RECIPE, storage, "killed", f"trainer.num_steps={STEPS}", *COMMON, "++ray.max_failures=1",
+    trainer = make(ARTrainer, ENGINE, storage, "killed", f"trainer.num_steps={STEPS}", *COMMON, "++ray.max_failures=1",
+                   "rollout.ray_actor_options={num_cpus: 0.25, resources: {services: 0.01}}",
                    "++ray.num_checkpoints_to_keep=null", experiment="faults")
-    pids, first_draw, placed, dead, reward_nodes, original = [], {}, {}, [], [], trainer.train
+    pids, first_draw, placed, dead, service_nodes, original = [], {}, {}, [], {}, trainer.train
 
     def train(samples, *, seed):
         step, prompts = trainer.prompt_log[-1]
         first_draw.setdefault(step, prompts)
         ranks = trainer.group.call("ping", {})
         placed.setdefault(step, []).append([r["node_id"] for r in ranks])
-        if step == 1:
-            reward_nodes.extend(actor_nodes("ServeReplica:killed-reward:RewardService"))
+        if step == 1:  # the Serve replicas, and the run's own control actors (command broker, weight store)
+            service_nodes.update(actor_nodes("ServeReplica:killed-"), **actor_nodes("CommandBroker"),
+                                 **actor_nodes("WeightStore"))
         if step == 3 and not at_step_2[0].exists():
             for copy in at_step_2:
                 copy_run(trainer, copy)
@@ -126,18 +141,21 @@ def killed(cluster, tmp_path_factory):
 
     trainer.train = train
     trainer.fit()
-    return trainer, storage, pids, first_draw, at_step_2, placed, dead, reward_nodes, nodes
+    return trainer, storage, pids, first_draw, at_step_2, placed, dead, service_nodes, cluster, nodes
 
 
-def test_the_ranks_and_the_reward_app_run_on_their_nodes_and_a_dead_node_is_survived(killed):
-    trainer, _, pids, first_draw, _, placed, dead, reward_nodes, nodes = killed
+def test_ranks_apps_and_control_actors_run_on_their_nodes_and_a_dead_node_is_survived(killed):
+    trainer, _, pids, first_draw, _, placed, dead, service_nodes, cluster, nodes = killed
     train_nodes = {nodes[f"train{i}"].node_id for i in range(TRAIN_NODES)}
     before, after = placed[STEPS]  # rank nodes as step 6 first started, and when it ran again after the restart
     assert len(set(before)) == 2 and set(before) <= train_nodes  # one rank per train node
     assert all(p == before for s, calls in placed.items() for p in calls if s < STEPS - 1)  # until the node died
     assert dead == [before[1]] and len(set(after)) == 2 and set(after) <= train_nodes - set(dead)  # the spare took over
     assert placed[STEPS - 1][-1] == after  # step 5 ran again on the restarted group
-    assert reward_nodes == [nodes["services"].node_id]  # the reward app's replica, on the services node
+    services, head = nodes["services"].node_id, cluster.head_node.node_id
+    assert service_nodes == {"ServeReplica:killed-reward:RewardService": [services],  # both apps' replicas
+                             "ServeReplica:killed-rollout:RolloutEngine": [services],
+                             "CommandBroker": [head], "WeightStore": [head]}, service_nodes  # the driver's node
     assert pids and trainer.restarts == 1 and trainer.policy_version == STEPS
     assert [s for s, _ in trainer.prompt_log] == list(range(1, STEPS + 1))
     assert dict(trainer.prompt_log) == first_draw  # the data cursor rewound: steps 5, 6 drew the same prompts
@@ -155,9 +173,10 @@ def test_the_ranks_and_the_reward_app_run_on_their_nodes_and_a_dead_node_is_surv
 
 def test_resume_is_exact_and_reshards_onto_fewer_workers(killed):
     _, straight_dir, _, _, (split_dir, reshard_dir), *_ = killed  # the same step-2 checkpoint; the second on 1 worker
-    resumed = fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=4", *COMMON, experiment="e2e-resume")
+    resumed = fit(ARTrainer, RECIPE, split_dir, "killed", "trainer.num_steps=4", *COMMON, SWITCHED,
+                  experiment="e2e-resume")
     assert resumed.prompt_log[0][0] == 3  # resumed after the saved step, in the same MLflow run
-    fit(ARTrainer, RECIPE, reshard_dir, "killed", "trainer.num_steps=4", *COMMON, "ray.scaling.num_workers=1",
+    fit(ARTrainer, RECIPE, reshard_dir, "killed", "trainer.num_steps=4", *COMMON, SWITCHED, "ray.scaling.num_workers=1",
         experiment="e2e-resume")
 
     want_params, want_moments, want_state = trained_state(straight_dir, "killed", 4)

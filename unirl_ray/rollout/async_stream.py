@@ -39,6 +39,7 @@ from typing import Any
 import ray
 
 from unirl_ray.core.sample import Sample
+from unirl_ray.runtime.cluster import on_driver_node
 from unirl_ray.runtime.imports import import_ray_library
 from unirl_ray.runtime.version_gate import VersionGate
 
@@ -173,7 +174,7 @@ class RolloutStream:
         import ray.data
 
         self.timeout_s = timeout_s
-        self.gate = VersionGate.options(name=gate_name, namespace=namespace).remote(version)
+        self.gate = VersionGate.options(name=gate_name, namespace=namespace, **on_driver_node()).remote(version)
         self.cache = SampleCache(capacity=max_staleness + 1)
         steps = sorted(requests)
         self.generated = 0

@@ -102,7 +102,9 @@ def _weight_store_cls():
 
 def create_weight_store(name: str, namespace: str):
     """A named, detached-from-nothing store actor owned by the driver (dies with the job)."""
-    return _weight_store_cls().options(name=name, namespace=namespace, get_if_exists=True).remote()
+    from unirl_ray.runtime.cluster import on_driver_node
+
+    return _weight_store_cls().options(name=name, namespace=namespace, get_if_exists=True, **on_driver_node()).remote()
 
 
 @dataclass(kw_only=True)

@@ -205,6 +205,18 @@ def ensure_ray(cfg: RayConfig) -> str:
     return f"embedded local Ray ({num_cpus} logical CPUs)"
 
 
+def on_driver_node() -> dict[str, Any]:
+    """Actor options that pin an actor to the node of this (driver) process: a run's own control actors (the
+    command broker that is also its lock, the weight store, the version gate) hold no resources, so Ray may
+    otherwise place them on any node, and a worker node that dies (or is scaled down) would take the run with
+    it. The driver's node lives as long as the run does."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(),
+                                                                  soft=False)}
+
+
 def check_cluster_fits(cfg: RayConfig, extra: dict[str, float] | None = None) -> None:
     """Raise ValueError naming what is missing when the cluster can never hold the run."""
     import ray

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from unirl_ray.runtime.broker import CommandBroker
+from unirl_ray.runtime.cluster import on_driver_node
 from unirl_ray.runtime.train_group import NAMESPACE  # the broker's: TrainGroup and the workers look it up there
 RELEASE_WAIT_S = 10.0  # how long a lock this job just released may take to go
 
@@ -39,8 +40,8 @@ def acquire(run_name: str, timeout_s: float = 30.0, *, world_size: int = 1, nice
     deadline = time.monotonic() + RELEASE_WAIT_S
     while True:
         try:
-            actor = CommandBroker.options(name=name, namespace=NAMESPACE, get_if_exists=False).remote(
-                world_size, niceness=niceness, holder=holder)
+            actor = CommandBroker.options(name=name, namespace=NAMESPACE, get_if_exists=False,
+                                          **on_driver_node()).remote(world_size, niceness=niceness, holder=holder)
             break
         except ValueError:  # the name is taken by a live actor
             other = _holder(name, timeout_s)

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from unirl_ray.runtime.broker import CommandBroker, pack, unpack
-from unirl_ray.runtime.cluster import RayConfig, runtime_env_vars
+from unirl_ray.runtime.cluster import RayConfig, on_driver_node, runtime_env_vars
 from unirl_ray.runtime.imports import import_ray_library
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class TrainGroup:
         self._own_broker = broker_name is None
         if broker_name is None:
             self.broker_name = f"unirl-broker-{run_name}-{uuid.uuid4().hex[:8]}"
-            self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE).remote(
+            self.broker = CommandBroker.options(name=self.broker_name, namespace=NAMESPACE, **on_driver_node()).remote(
                 self.world_size, niceness=ray_cfg.worker_niceness)
         else:
             self.broker_name, self.broker = broker_name, ray.get_actor(broker_name, namespace=NAMESPACE)

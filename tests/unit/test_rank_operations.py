@@ -28,7 +28,8 @@ def test_commands_are_the_marked_methods_called_with_the_payload_as_keywords():
     assert sorted(operations(rank)) == ["draw"]
     assert dispatch(rank, "draw", {"prompts": ["a"], "scale": 2.0}) == ["ax2"]
     assert runtime_worker._dispatch(rank, "draw", {"prompts": ["b"]}, 0, 1.0) == ["bx1"]
-    assert runtime_worker._dispatch(rank, "ping", {}, 0, 1.0)["policy_version"] == 3  # the runtime's own
+    pong = runtime_worker._dispatch(rank, "ping", {}, 0, 1.0)  # the runtime's own
+    assert pong["policy_version"] == 3 and pong["node_id"] is None  # without Ray: no node (and no Ray started)
     with pytest.raises(ValueError, match="unknown worker command 'helper'; Rank serves draw"):
         dispatch(rank, "helper", {})
     with pytest.raises(TypeError, match="payload of command 'draw' must be a dict"):

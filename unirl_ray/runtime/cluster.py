@@ -213,8 +213,11 @@ def on_driver_node() -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(),
-                                                                  soft=False)}
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - a driver without a node of its own (Ray Client): Ray places them
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
 def check_cluster_fits(cfg: RayConfig, extra: dict[str, float] | None = None) -> None:

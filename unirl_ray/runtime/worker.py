@@ -143,8 +143,8 @@ def _dispatch(worker: Any, op: str, payload: Any, rank: int, save_timeout_s: flo
     if op == "wait_checkpoint":  # an asynchronous save's commit
         return {"path": _wait_committed(payload["name"], float(payload.get("timeout_s") or save_timeout_s))}
     if op == "ping":
-        return {"policy_version": worker.policy_version, "niceness": os.nice(0), "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None  # (never starts a Ray)
+        return {"policy_version": worker.policy_version, "niceness": os.nice(0), "pid": os.getpid(), "node_id": node}
     return dispatch(worker, op, payload)
 
 

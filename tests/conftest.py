@@ -79,7 +79,8 @@ def ray_local(request):
     """A local Ray (num_cpus=8) for the whole test module; yields the ``ray`` module."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
+    # a Ray of this process even while another module's head (`ray start`, a simulated cluster) runs beside it
+    ray.init(address="local", num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
     failed_before = request.session.testsfailed
     try:
         yield ray

@@ -28,6 +28,8 @@ order than one rank does, so the parameters agree to float rounding, not bit for
 
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import psutil
@@ -78,7 +80,11 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    # a private temp dir: the head's ray_current_cluster file in Ray's default one would make the other lane's
+    # processes that call ray.init() without an address join this cluster
+    temp_dir = tempfile.mkdtemp(prefix="raymn_", dir="/tmp")  # short: Ray's unix socket paths must stay short
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "temp_dir": temp_dir})
     try:
         nodes = {f"train{i}": cluster.add_node(num_cpus=1, resources={"train": 1}) for i in range(TRAIN_NODES)}
         nodes["services"] = cluster.add_node(num_cpus=1, resources={"services": 1})
@@ -87,6 +93,7 @@ def cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def actor_nodes(prefix):

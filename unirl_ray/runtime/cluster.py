@@ -20,7 +20,8 @@ class RayConfig:
     """Where and on what the run executes (Ray's own option names inside ``scaling``)."""
 
     address: str | None = None
-    """Cluster to join; None: ``RAY_ADDRESS`` / the job's cluster under ``ray job submit``, else a local Ray."""
+    """Cluster to join; None: ``RAY_ADDRESS`` / the job's cluster under ``ray job submit``, else a new local Ray
+    (also where ``ray start`` runs a cluster on this machine: ``auto`` joins that one)."""
     scaling: dict[str, Any] = field(default_factory=lambda: {"num_workers": 2, "resources_per_worker": {"CPU": 1}})
     """``ray.train.ScalingConfig`` arguments for the train workers."""
     max_failures: int = 0
@@ -201,7 +202,10 @@ def ensure_ray(cfg: RayConfig) -> str:
     num_cpus = cfg.local_num_cpus or max(8, os.cpu_count() or 1)
     for key, value in EMBEDDED_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=job_runtime_env(cfg), log_to_driver=True)
+    # address="local": a new Ray of this process's own, even where `ray start` left a cluster on this machine
+    # (plain ray.init() would join that one, and refuses num_cpus there); ray.address=auto joins it instead
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=job_runtime_env(cfg),
+             log_to_driver=True)
     return f"embedded local Ray ({num_cpus} logical CPUs)"
 
 

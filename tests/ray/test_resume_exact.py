@@ -17,8 +17,8 @@ that one.)
 
 Its storage folder is copied while step 3 trains (``support.copy_run``: the step-2 checkpoint committed,
 nothing newer): a fit of the copy resumes after step 2, as a job stopped there would, here with the train ranks
-sampling instead of the engine (``trainer.resume_changed_recipe``: the same weights and seeds give the same
-samples either way). Resuming to step 4 must give bit-identical parameters and optimizer state to the straight
+sampling instead of the engine and the rule reward scored in the driver (``trainer.resume_changed_recipe``: the
+same weights and seeds give the same samples and scores either way, and no app has to start). Resuming to step 4 must give bit-identical parameters and optimizer state to the straight
 run: every random choice is derived from (seed, step, index), the DCP checkpoint holds model, optimizer,
 scheduler, EMA and per-rank RNG state, and the controller state holds the data cursor. Resuming the same step-2
 checkpoint on ONE worker instead of two (DCP reshards the FSDP2 shards) continues the same run: the mini-batch is
@@ -50,9 +50,12 @@ RECIPE = recipe_path("ar", "tiny", "char_grpo_direct.yaml")
 ENGINE = recipe_path("ar", "tiny", "char_grpo_engine.yaml")  # the straight run's: a dedicated engine app
 SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack")
 COMMON = ("trainer.checkpoint_every=2", "tracking.log_samples_every=0", "ray.scaling.num_workers=2",
-          "ray.scaling.resources_per_worker={CPU: 1, train: 1}", "+ray.scaling.placement_strategy=STRICT_SPREAD",
-          "++reward.placement=serve", "reward.ray_actor_options={num_cpus: 0.25, resources: {services: 0.01}}")
-# the resumed runs sample on the train ranks instead of an engine (the same samples from the same weights and seeds)
+          "ray.scaling.resources_per_worker={CPU: 1, train: 1}", "+ray.scaling.placement_strategy=STRICT_SPREAD")
+# the straight run's apps, on the services node: the dedicated engine and the reward app
+SERVICES = ("rollout.ray_actor_options={num_cpus: 0.25, resources: {services: 0.01}}", "++reward.placement=serve",
+            "reward.ray_actor_options={num_cpus: 0.25, resources: {services: 0.01}}")
+# the resumed runs sample on the train ranks and score the rule reward in the driver (no app to start: the same
+# samples from the same weights and seeds, the same scores)
 SWITCHED = "+trainer.resume_changed_recipe=true"
 TRAIN_NODES = 3  # two ranks and a spare for the restart
 STEPS = 6
@@ -118,9 +121,8 @@ def killed(cluster, tmp_path_factory):
     cluster, nodes = cluster
     storage, copies = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("copies")
     at_step_2 = (copies / "two_workers", copies / "one_worker")
-    trainer = make(ARTrainer, ENGINE, storage, "killed", f"trainer.num_steps={STEPS}", *COMMON, "++ray.max_failures=1",
-                   "rollout.ray_actor_options={num_cpus: 0.25, resources: {services: 0.01}}",
-                   "++ray.num_checkpoints_to_keep=null", experiment="faults")
+    trainer = make(ARTrainer, ENGINE, storage, "killed", f"trainer.num_steps={STEPS}", *COMMON, *SERVICES,
+                   "++ray.max_failures=1", "++ray.num_checkpoints_to_keep=null", experiment="faults")
     pids, first_draw, placed, dead, service_nodes, original = [], {}, {}, [], {}, trainer.train
 
     def train(samples, *, seed):

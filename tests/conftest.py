@@ -13,6 +13,9 @@ module. Consecutive modules that all use ``ray_local`` share one Ray (starting a
 costs seconds per module); it is shut down after the last module of such a run, so a module that
 starts its own Ray (a head via the CLI, a notebook kernel) or none never finds one left behind, and
 a module in which a test failed hands the next one a fresh Ray.
+
+``ray_head`` (session-scoped): a real head node started with ``ray start --head`` (``support.RayHead``), shared by
+``ray job submit``'s test and the notebooks, which run last.
 """
 
 import os
@@ -48,7 +51,8 @@ sys.dont_write_bytecode = False
 
 def pytest_collection_modifyitems(config, items):
     """Mark the Ray tests, and order the modules: those without Ray first (quick failures come early),
-    then every module on ``ray_local`` in a row (they share one Ray), then those that start their own."""
+    then every module on ``ray_local`` in a row (they share one Ray), then those that start their own, the
+    tests on the shared ``ray_head`` last."""
     uses_ray_local = {item.module for item in items if "ray_local" in item.fixturenames}
     for item in items:
         if item.module in uses_ray_local or item.get_closest_marker("e2e") is not None:
@@ -59,6 +63,8 @@ def pytest_collection_modifyitems(config, items):
     def group(item) -> int:
         if item.module in uses_ray_local:
             return 1
+        if "ray_head" in item.fixturenames:
+            return 3  # last: the head they share stays up until the session ends
         return 2 if item.get_closest_marker("ray") is not None else 0
 
     items.sort(key=group)  # stable: the order within a group (and within a module) is kept
@@ -102,3 +108,17 @@ def ray_local(request):
         if not keep:
             ray.shutdown()
 
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """A real head node (``ray start --head``, dashboard on; ``support.RayHead``) for the tests that use a cluster
+    as users do: ``ray job submit`` and the notebooks (their kernels join it through ``RAY_ADDRESS``). One head
+    for the session: these tests run last (``pytest_collection_modifyitems``), then it stops."""
+    from support import RayHead
+
+    head = RayHead(tmp_path_factory.mktemp("ray-head") / "ray_head.log")
+    try:
+        yield head
+    finally:
+        head.stop()

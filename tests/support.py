@@ -217,3 +217,135 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ a real head node (`ray start --head`)
+HEAD_START_TIMEOUT_S = 180
+
+
+def venv_bin() -> Path:
+    """The folder with the venv's ``python`` and ``ray`` CLI (the head and its jobs run from it)."""
+    import sys
+
+    import pytest
+
+    for candidate in (ROOT / ".venv" / "bin", Path(sys.executable).parent):
+        if (candidate / "ray").is_file() and (candidate / "python").exists():
+            return candidate
+    pytest.skip("no `ray` CLI next to the venv's python")
+
+
+def stop_ray_in_this_process() -> None:
+    """A Ray left initialised in the test process (another module's fixture) would only compete for CPUs."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        if "ray.serve" in sys.modules:
+            try:
+                sys.modules["ray.serve"].shutdown()
+            except Exception:  # noqa: BLE001 - best effort; ray.shutdown() ends it anyway
+                pass
+        ray.shutdown()
+
+
+class RayHead:
+    """``ray start --head --block`` in a session of its own, with its own free ports and temp dir: ``url`` (the
+    dashboard, for ``ray job submit``), ``address`` (the GCS, for ``ray.init`` / ``RAY_ADDRESS``), ``env`` (the
+    environment it runs in and ray CLI calls use: the venv's ``bin`` first on PATH), ``temp_dir``.
+
+    ``ray stop --force`` would kill every Ray instance on the machine (other test processes', other users'),
+    so ``stop()`` ends this head through its process (SIGTERM: Ray tears down what it started) and then kills
+    what is left of its session, nothing else."""
+
+    def __init__(self, log_path: Path) -> None:
+        import subprocess
+        import tempfile
+        import time
+
+        stop_ray_in_this_process()
+        bin_dir = venv_bin()
+        ports: list[int] = []
+        while len(ports) < 4:  # four different ones
+            ports += [port for port in [free_port()] if port not in ports]
+        gcs_port, dash_port, client_port, agent_port = ports
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+        env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+                   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # SIGTERM to the head: tear down at once
+                   PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent))
+        # a short private temp dir: Ray's unix socket paths must stay short, and the head's ray_current_cluster
+        # file must not make other processes' ray.init() join this head
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rayjs_", dir="/tmp"))
+        self.url, self.address, self.env, self.log_path = (f"http://127.0.0.1:{dash_port}", f"127.0.0.1:{gcs_port}",
+                                                           env, log_path)
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "8", "--port", str(gcs_port),
+                 "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port), "--include-dashboard", "true",
+                 "--ray-client-server-port", str(client_port), "--dashboard-agent-listen-port", str(agent_port),
+                 "--object-store-memory", str(512 * 1024**2), "--temp-dir", str(self.temp_dir),
+                 "--disable-usage-stats"],
+                env=env, cwd=log_path.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.perf_counter()
+        try:
+            self._wait_for_dashboard()
+        except BaseException:
+            self.stop()
+            raise
+        print(f"ray head (dashboard {self.url}) up in {time.perf_counter() - t0:.1f}s")
+
+    def _wait_for_dashboard(self) -> None:
+        import time
+        import urllib.request
+
+        import pytest
+
+        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"`ray start --head` exited with {self.process.returncode}:\n{self.log_path.read_text()[-5000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/version", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        pytest.fail(f"the head's dashboard {self.url} did not answer within {HEAD_START_TIMEOUT_S}s:\n"
+                    f"{self.log_path.read_text()[-5000:]}")
+
+    def members(self) -> list[int]:
+        """Pids in the head's session (the one ``start_new_session`` made)."""
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.process.pid and fields[0] != "Z":  # after "pid (comm)": state ppid pgrp session
+                members.append(int(stat.parent.name))
+        return members
+
+    def stop(self) -> None:
+        """End the head and everything it spawned; AssertionError if a process of its session survives."""
+        import shutil
+        import subprocess
+        import time
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # ray start --block: tear down its processes
+            try:
+                self.process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        for pid in self.members():  # stragglers of this head's session only
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + 30
+        while self.members() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        assert not self.members(), "processes of the test's Ray head survived its shutdown"

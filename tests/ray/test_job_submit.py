@@ -1,10 +1,8 @@
 """``ray start --head`` + ``ray job submit --working-dir <repo> -- python recipes/sd3.py ...`` on a real head.
 
-The head node is started by this test (dashboard on, token auth off, its own free ports and its own
-temp dir) and stopped by this test only: ``ray stop --force`` would kill every Ray instance on the
-machine, including other test processes' and other users' clusters, so the head runs under
-``ray start --block`` in a new session and is ended through that process (SIGTERM: Ray drains and
-kills the processes it started; their parent-death signal and a final ``killpg`` cover the rest).
+The head node is the session's ``ray_head`` (``support.RayHead``: dashboard on, token auth off, its own free
+ports and temp dir, stopped through its own process, never with ``ray stop --force``); the notebooks run on
+it after this test.
 
 The job inherits the environment of the process that started the head: PATH starts with the venv's
 ``bin`` so the job's ``python`` is the venv's. The working dir upload honours ``.gitignore`` (so the
@@ -24,157 +22,20 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import free_port, venv_bin
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CMD_TIMEOUT_S = 600
-HEAD_START_TIMEOUT_S = 180
-
-
-def _venv_bin() -> Path:
-    for candidate in (REPO_ROOT / ".venv" / "bin", Path(sys.executable).parent):
-        if (candidate / "ray").is_file() and (candidate / "python").exists():
-            return candidate
-    pytest.skip("no `ray` CLI next to the venv's python")
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _stop_ray_in_this_process() -> None:
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        if "ray.serve" in sys.modules:
-            try:
-                sys.modules["ray.serve"].shutdown()
-            except Exception:  # noqa: BLE001 - best effort; ray.shutdown() ends it anyway
-                pass
-        ray.shutdown()
-
-
-def _wait_for_dashboard(url: str, head: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            pytest.fail(f"`ray start --head` exited with {head.returncode}:\n{log_path.read_text()[-5000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/api/version", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"the head's dashboard {url} did not answer within {HEAD_START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
-
-
-def _stop_head(head: subprocess.Popen) -> None:
-    """End the head started by this test and everything it spawned; nothing else."""
-    if head.poll() is None:
-        head.send_signal(signal.SIGTERM)  # ray start --block: drain, then kill its processes
-        try:
-            head.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait(timeout=30)
-    for pid in _session_members(head.pid):  # stragglers of this head's session only
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _session_members(sid: int) -> list[int]:
-    """Pids whose session id is ``sid`` (the session ``start_new_session`` made for the head)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # after "pid (comm)": state ppid pgrp session
-            members.append(int(stat.parent.name))
-    return members
-
-
-@pytest.fixture
-def ray_head(tmp_path):
-    """A real head node: yields (dashboard URL, env for ray CLI calls, head temp dir)."""
-    _stop_ray_in_this_process()  # a fixture's in-process Ray elsewhere would only compete for CPUs
-    venv_bin = _venv_bin()
-    gcs_port, dash_port, client_port, agent_port = _free_ports(4)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env.update(
-        RAY_AUTH_MODE="disabled",
-        RAY_USAGE_STATS_ENABLED="0",
-        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # SIGTERM to the head: tear down at once, no drain wait
-        PATH=f"{venv_bin}{os.pathsep}{env.get('PATH', '')}",
-        VIRTUAL_ENV=str(venv_bin.parent),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        MLFLOW_DISABLE_TELEMETRY="true",
-    )
-    # a short private temp dir: Ray's unix socket paths must stay short, and the head's
-    # ray_current_cluster file must not make other processes' ray.init() join this head
-    temp_dir = Path(tempfile.mkdtemp(prefix="rayjs_", dir="/tmp"))
-    log_path = tmp_path / "ray_head.log"
-    url = f"http://127.0.0.1:{dash_port}"
-    with open(log_path, "w") as log:
-        head = subprocess.Popen(
-            [
-                str(venv_bin / "ray"), "start", "--head", "--block",
-                "--num-cpus", "8",
-                "--port", str(gcs_port),
-                "--dashboard-host", "127.0.0.1",
-                "--dashboard-port", str(dash_port),
-                "--include-dashboard", "true",
-                "--ray-client-server-port", str(client_port),
-                "--dashboard-agent-listen-port", str(agent_port),
-                "--object-store-memory", str(512 * 1024**2),
-                "--temp-dir", str(temp_dir),
-                "--disable-usage-stats",
-            ],
-            env=env,
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        t0 = time.perf_counter()
-        _wait_for_dashboard(url, head, log_path)
-        print(f"ray head (dashboard {url}) up in {time.perf_counter() - t0:.1f}s")
-        yield url, env, temp_dir
-    finally:
-        _stop_head(head)
-        deadline = time.monotonic() + 30
-        while _session_members(head.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not _session_members(head.pid), "processes of the test's Ray head survived its shutdown"
 
 
 def _ray(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -243,8 +104,8 @@ def assert_the_mlflow_ui_serves_the_run(storage: Path) -> None:
 
     client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    port = _free_ports(1)[0]
-    server = subprocess.Popen([str(_venv_bin() / "mlflow"), "server", "--backend-store-uri",
+    port = free_port()
+    server = subprocess.Popen([str(venv_bin() / "mlflow"), "server", "--backend-store-uri",
                                f"sqlite:///{storage / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
                                "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               start_new_session=True)
@@ -289,7 +150,7 @@ def assert_the_mlflow_ui_serves_the_run(storage: Path) -> None:
 
 
 def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
-    url, env, temp_dir = ray_head
+    url, env, temp_dir = ray_head.url, ray_head.env, ray_head.temp_dir
     storage = tmp_path / "runs"
     # a reward module of the user's outside the working dir, shipped by the recipe's ray.runtime_env (py_modules),
     # reading a variable that only the recipe's env_vars set: it scores in the reward app's Serve replica

@@ -127,6 +127,21 @@ def _asset_path(relative: str) -> str:
 OmegaConf.register_new_resolver("unirl_asset", _asset_path, replace=True)
 
 
+def find_recipe(relative: str | Path) -> Path:
+    """A shipped recipe by its path under ``recipes/`` (``"ar/tiny/char_grpo_direct.yaml"``), for code that
+    does not run from the checkout's root (a notebook kernel runs in ``notebooks/``). Looked for under
+    ``$UNIRL_RAY_ROOT``, the working directory and its parents, then the checkout ``unirl_ray`` is imported
+    from (an editable install)."""
+    relative = Path("recipes", relative)
+    roots = [Path(os.environ["UNIRL_RAY_ROOT"])] if os.environ.get("UNIRL_RAY_ROOT") else []
+    roots += [Path.cwd(), *Path.cwd().parents, assets_dir().parents[1]]
+    for root in roots:
+        if (root / relative).is_file():
+            return (root / relative).resolve()
+    raise RecipeError(f"cannot find {relative} under {os.environ.get('UNIRL_RAY_ROOT') or 'the working directory'}, "
+                      "its parents or the unirl_ray checkout; set UNIRL_RAY_ROOT to the checkout that has recipes/")
+
+
 # ----------------------------------------------------------------------------------------------
 # loading and overrides
 

@@ -92,6 +92,8 @@ def build_vllm_policy_app(model_path: str, *, name: str, api_key: str | None = N
         engine_kwargs=engine,
         deployment_config={"num_replicas": num_replicas, "max_ongoing_requests": max_ongoing_requests,
                            "ray_actor_options": {"num_cpus": num_cpus}},
+        # the model is a local folder: no node-initialization task that imports vLLM only to "download" it
+        callback_config={"callback_class": "unirl_ray.serve.vllm_node_init.LocalFolderModel"},
     )
     server = build_llm_deployment(config)
     ingress = make_fastapi_ingress(OpenAiIngress, app=_ingress_app(api_key))

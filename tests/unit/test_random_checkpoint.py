@@ -24,11 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Parameter counts of the published checkpoints' components (billions): the SD3.5 Medium MMDiT-X
 # transformer as diffusers counts it (marketed as "2.5B"), CLIP ViT-L/14 and OpenCLIP bigG/14 text
 # towers with projections, the T5 v1.1 XXL and UMT5-XXL encoders, the Wan2.1 T2V 1.3B transformer, FLUX.1-dev's
-# transformer (12B as marketed), its 16-channel VAE and its CLIP-L text tower without projection.
+# transformer (12B as marketed), its 16-channel VAE and its CLIP-L text tower without projection, Qwen-Image's
+# transformer (20B as marketed), its VAE (Wan2.1's architecture) and Qwen2.5-VL-7B with its vision tower.
 PUBLISHED = {
     "sd3.5-medium": {"transformer": 2.24, "text_encoder": 0.124, "text_encoder_2": 0.695, "text_encoder_3": 4.76},
     "wan2.1-t2v-1.3b": {"transformer": 1.42, "vae": 0.127, "text_encoder": 5.68},
     "flux.1-dev": {"transformer": 11.90, "vae": 0.0838, "text_encoder": 0.123, "text_encoder_2": 4.76},
+    "qwen-image": {"transformer": 20.43, "vae": 0.127, "text_encoder": 8.29},
 }
 
 
@@ -54,6 +56,7 @@ def _real_recipes():
         ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_flowgrpo.yaml", DiffusionTrainer),
         ("wan2.1-t2v-1.3b", "wan/wan2_1_t2v_1_3b_video_reward_flowgrpo.yaml", DiffusionTrainer),
         ("flux.1-dev", "flux/flux1_dev_pickscore_flowgrpo.yaml", DiffusionTrainer),
+        ("qwen-image", "qwen_image/qwen_image_pickscore_flowgrpo.yaml", DiffusionTrainer),
     ]
 
 
@@ -83,6 +86,8 @@ def test_configs_only_folders_pass_the_real_recipes_checks(tmp_path, monkeypatch
             assert {suffix for suffix, _ in trainer.reward_cfg.placements()} >= want
         if "flux" in recipe:  # the folder's 8x VAE and the 2 x 2 packing: 16 pixels per token side
             assert trainer.bundle_cfg.latent_factor() == 16 and trainer.recipe.pipeline.guidance == 3.5
+        if "qwen_image" in recipe:  # the same geometry from its causal VAE's config; true CFG
+            assert trainer.bundle_cfg.latent_factor() == 16 and trainer.recipe.pipeline.guidance_scale == 4.0
         if "ocr" in recipe:  # the OCR model in its own app; every prompt quotes the text it asks for
             assert [suffix for suffix, _ in trainer.reward_cfg.placements()] == ["-ocr"]
             with open(trainer.data.path) as prompts:  # read here: the source's own reader would start Ray

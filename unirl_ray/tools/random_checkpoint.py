@@ -77,6 +77,23 @@ FLUX_VAE = dict(SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159)
 FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                       base_image_seq_len=256, max_image_seq_len=4096)
 
+QWEN_IMAGE_TRANSFORMER = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
+)
+QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                      temperal_downsample=[False, True, True], dropout=0.0)  # latents mean/std: the class defaults
+QWEN25_VL_7B = dict(  # Qwen2.5-VL-7B-Instruct, Qwen-Image's text encoder (its vision tower included)
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                     tie_word_embeddings=False),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+    tie_word_embeddings=False,
+)
+
 
 def _clip(arch: dict[str, Any], tokenizer: Any) -> torch.nn.Module:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
@@ -152,6 +169,24 @@ def _flux1_dev() -> Any:
     )
 
 
+def _qwen_image() -> Any:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from unirl_ray.models.causal_lm.tokenizer import build_char_tokenizer
+    from unirl_ray.models.qwen_image.tiny import QWEN_MARKERS, SCHEDULER
+
+    tokenizer = build_char_tokenizer(QWEN_MARKERS)  # its ids are valid ids of Qwen's vocabulary
+    tokenizer.padding_side = "right"
+    with torch.device("cpu"):  # the scheduler keeps CPU tensors, whatever the modules' device
+        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    return QwenImagePipeline(
+        transformer=QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER), scheduler=scheduler,
+        vae=AutoencoderKLQwenImage(**QWEN_IMAGE_VAE), tokenizer=tokenizer,
+        text_encoder=Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B)),
+    )
+
+
 @dataclass(frozen=True)
 class Family:
     """One published checkpoint's architecture."""
@@ -174,6 +209,10 @@ FAMILIES: dict[str, Family] = {
     "flux.1-dev": Family(
         build=_flux1_dev,
         modules=("transformer", "vae", "text_encoder", "text_encoder_2"),
+    ),
+    "qwen-image": Family(
+        build=_qwen_image,
+        modules=("transformer", "vae", "text_encoder"),
     ),
 }
 

@@ -34,24 +34,27 @@ CHAT_TEMPLATE = (
 """Jinja chat template (roles: system, user, assistant)."""
 
 
-def build_char_tokenizer() -> Any:
-    """The demo char-level ``PreTrainedTokenizerFast`` (pad, unk, bos, eos and a chat template)."""
+def build_char_tokenizer(extra_special_tokens: tuple[str, ...] = ()) -> Any:
+    """The demo char-level ``PreTrainedTokenizerFast`` (pad, unk, bos, eos and a chat template).
+
+    ``extra_special_tokens`` (e.g. another family's chat markers, ``"<|im_start|>"``) become single tokens with
+    ids after the characters, so every other id stays as above."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHAR_VOCAB)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHAR_VOCAB + tuple(extra_special_tokens))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # one piece per character, whitespace included; Fuse joins pieces back without separators
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.add_special_tokens(list(SPECIAL_TOKENS))
+    core.add_special_tokens(list(SPECIAL_TOKENS) + list(extra_special_tokens))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=list(ROLE_TOKENS) + list(extra_special_tokens),
         padding_side="left",
     )
     tokenizer.chat_template = CHAT_TEMPLATE

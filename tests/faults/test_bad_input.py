@@ -90,6 +90,21 @@ def test_bad_text_sampling_values_fail_on_the_driver(override, message):
         ARTrainer(load_recipe(os.path.join(ROOT, "recipes", "ar", "tiny", "char_grpo_direct.yaml"), [override]))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("data.columns=[answer]", r"pipeline.image_column='image' is not among data.columns=\['answer'\]: add it"),
+    ("rollout={_target_: unirl_ray.rollout.DedicatedRollout, engine: vllm}",
+     r"rollout.engine=vllm does not take prompts with images yet .*use rollout.engine=hf"),
+    ("+bundle.config.max_pixels=-1", r"max_pixels must be > 0 or null, got -1"),
+])
+def test_bad_vision_language_recipes_fail_on_the_driver(override, message):
+    from unirl_ray.trainer.ar import ARTrainer
+
+    if "vllm" in override:
+        pytest.importorskip("vllm")  # without vLLM the rollout refuses the engine first (its own message)
+    with pytest.raises(RecipeError, match=message):
+        ARTrainer(load_recipe(os.path.join(ROOT, "recipes", "ar", "tiny", "vlm_colors_grpo.yaml"), [override]))
+
+
 def test_an_override_without_equals_is_named_as_such(capsys):
     from unirl_ray.cli import run_trainer
     from unirl_ray.config.recipe import parse_cli

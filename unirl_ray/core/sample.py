@@ -115,11 +115,15 @@ class TextPart(Part):
     """[C] long: the turn each completion token belongs to (0, 1, ...), -1 on tokens that were not sampled
     (observations, template tokens between turns); ``None``: the completion is one turn. Set on the
     concatenation of a multi-turn trajectory (``chain_turns``), where each turn counts as a sequence."""
+    vision: dict[str, torch.Tensor] | None = None
+    """The prompt's images as the model reads them (a vision-language model's ``pixel_values`` [patches, D] and
+    ``image_grid_thw`` [images, 3]); ``None`` for a text-only prompt."""
 
     def light(self) -> "TextPart":
         n = int(self.completion_ids.numel()) if self.completion_ids is not None else self.num_tokens
         return dataclasses.replace(
-            self, prompt_ids=None, completion_ids=None, log_probs=None, loss_mask=None, num_tokens=n, segments=None
+            self, prompt_ids=None, completion_ids=None, log_probs=None, loss_mask=None, num_tokens=n, segments=None,
+            vision=None,
         )
 
     @property

@@ -222,6 +222,20 @@ def length_target(*, completions: Sequence[str], target: int = 20, **_: Any) -> 
     return [-abs(target - len(text)) / target for text in _texts(completions)]
 
 
+def answer_char_fraction(*, completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float | None]:
+    """Fraction of the completion's characters equal to the row's ``answer`` column, a single character (0.0 for an
+    empty completion; ``None``, not scored, where the answer is missing or longer). In [0, 1], higher is better.
+
+    The tiny vision-language demo task: answer with the first letter of the image's colour, as often as it fits.
+    """
+    texts = _texts(completions)
+    refs = [None] * len(texts) if answer is None else list(answer)
+    if len(refs) != len(texts):
+        raise ValueError(f"got {len(refs)} answers for {len(texts)} completions; pass one answer per sample")
+    return [None if not isinstance(ref, str) or len(ref) != 1 else (text.count(ref) / len(text) if text else 0.0)
+            for text, ref in zip(texts, refs)]
+
+
 def char_fraction(*, completions: Sequence[str], char: str = "a", **_: Any) -> list[float]:
     """Fraction of the completion's characters equal to ``char`` (0.0 for an empty completion).
 

@@ -42,6 +42,24 @@ class ARTrainer(RLTrainer):
 
     domain = "ar"
 
+    def validate_model(self) -> None:
+        """A pipeline that reads its prompts' images from a dataset column (``VLMPipeline``) needs that column
+        carried by ``data.columns`` and a rollout that passes columns on (trainside, or the HF engine)."""
+        from unirl_ray.config.recipe import RecipeError, locate
+
+        target = self.recipe.pipeline.get("_target_")
+        pipeline_cls = locate(target, "pipeline") if target else None
+        if not getattr(pipeline_cls, "samples_from_columns", False):
+            return
+        column = self.recipe.pipeline.get("image_column", "image")
+        carried = self.recipe.data.get("columns")
+        if carried is not None and column not in carried:
+            raise RecipeError(f"pipeline.image_column={column!r} is not among data.columns={list(carried)}: add it "
+                              "(the images reach the pipeline as a column of their prompt)")
+        if self.dedicated is not None and self.dedicated.engine != "hf":
+            raise RecipeError(f"rollout.engine={self.dedicated.engine} does not take prompts with images yet (its "
+                              "multimodal inputs are not wired): use rollout.engine=hf, or rollout: TrainsideRollout")
+
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         lengths = np.array([_num_tokens(s) for s in samples], dtype=np.float64)
         metrics = super().rollout_metrics(samples)

@@ -24,7 +24,7 @@ Shapes: ``B`` batch, ``P`` longest prompt, ``N = max_new_tokens``, ``L`` longest
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -231,8 +231,7 @@ class CausalLMPipeline:
             input_ids[b, width - len(ids) :] = torch.tensor(ids)
             attention[b, width - len(ids) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp_min(0)
-        next_position = attention.sum(-1)
+        positions, next_position, prefill_inputs = self._prefill(module, input_ids, attention)
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         stop_ids = self.stop_token_ids.to(device)
 
@@ -249,6 +248,7 @@ class CausalLMPipeline:
                 position_ids=step_positions,
                 use_cache=True,
                 **{_CACHE_KEY: cache},
+                **(prefill_inputs if t == 0 else {}),
             )
             cache = getattr(out, _CACHE_KEY)
             logp_all = torch.log_softmax(out.logits[:, -1].float() / self.temperature, dim=-1)
@@ -262,9 +262,19 @@ class CausalLMPipeline:
             # the token fed next is real for rows that were still generating when it was drawn
             attention = torch.cat([attention, (~finished).long()[:, None]], dim=1)
             finished = finished | just_stopped
-            step_ids, step_positions = token[:, None], next_position[:, None]
+            step_ids, step_positions = token[:, None], self._step_positions(next_position)
             next_position = next_position + 1
         return tokens.cpu(), log_probs.cpu(), lengths.cpu()
+
+    def _prefill(self, module: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Position ids of the left-padded prompts [B, W], each row's next position [B], and extra inputs of the
+        first forward call (a vision-language subclass adds its images and 3D positions)."""
+        return (attention.cumsum(-1) - 1).clamp_min(0), attention.sum(-1), {}
+
+    def _step_positions(self, next_position: torch.Tensor) -> torch.Tensor:
+        """Position ids of the tokens fed after the prompt, from each row's next position [B]."""
+        return next_position[:, None]
 
     # ------------------------------------------------------------------ training
     def collate(self, parts: list[TextPart]) -> dict[str, torch.Tensor]:

@@ -110,6 +110,8 @@ class HFRolloutEngine(VersionedEngine):
             elif token_ids_in(requests):  # token in, token out: continue from the exact ids given
                 outputs = self.pipeline.sample_ids([r["prompt_ids"] for r in requests],
                                                    [int(r["seed"]) for r in requests], module=self.module)
+            elif getattr(self.pipeline, "samples_from_columns", False):  # e.g. a prompt's images in its columns
+                outputs = self.pipeline.sample_requests(requests, module=self.module, micro_batch_size=len(requests))
             else:
                 outputs = self.pipeline.sample(
                     [r["prompt"] for r in requests], [int(r["seed"]) for r in requests], module=self.module,

@@ -229,7 +229,8 @@ def chain_turns(sample: Sample, turns: list[TextPart]) -> TextPart:
     completion = torch.cat(pieces)
     return TextPart(stage=turns[0].stage, prompt_ids=turns[0].prompt_ids.long(), completion_ids=completion,
                     log_probs=torch.cat(logps), loss_mask=torch.cat(masks), segments=torch.cat(segs),
-                    text="".join(t.text for t in turns), num_tokens=len(prefix) - n_prompt)
+                    text="".join(t.text for t in turns), num_tokens=len(prefix) - n_prompt,
+                    vision=turns[0].vision)  # the images are those of the first context, which every turn continues
 
 
 def part_advantage(sample: Sample, part: Part) -> float:

@@ -16,8 +16,9 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
-from support import ONE_WORKER, artifacts, drive, history, kill_engine_replica, logged, make, recipe_path
+from support import ONE_WORKER, artifacts, drive, history, kill_engine_replica, logged, make, recipe_path, sample_table
 
 from unirl_ray.trainer.ar import ARTrainer
 
@@ -218,6 +219,36 @@ def test_async_trainer_at_max_staleness_zero_on_an_attached_engine_app_reproduce
         assert serve.get_app_handle("engine-app").status.remote().result(timeout_s=30)["version"] == steps
     finally:
         delete_apps(["engine-app"])
+
+
+def test_prompts_with_images_train_on_policy_on_a_dedicated_engine(ray_local, tmp_path):
+    """The tiny vision-language recipe (Qwen2.5-VL-shaped; its images are data URLs in the prompt file, read by Ray
+    Data with the prompts) on a dedicated HF engine app: the engine samples with the images and the rank recomputes
+    the log-probs with them (on-policy at every step), every version reaches the engine, and the frozen vision
+    tower is exported unchanged while the language model moved."""
+    from unirl_ray.models.vlm import VLMBundle, VLMConfig
+    from unirl_ray.train.export import ExportInfo
+
+    steps = 3
+    trainer = make(ARTrainer, recipe_path("ar", "tiny", "vlm_colors_grpo.yaml"), tmp_path, "vlm", f"trainer.num_steps={steps}",
+                   "trainer.checkpoint_every=100", "tracking.log_samples_every=3", *ONE_WORKER,
+                   "rollout={_target_: unirl_ray.rollout.DedicatedRollout, engine: hf, num_replicas: 1, "
+                   "ray_actor_options: {num_cpus: 0.5}, requests_per_call: 16}", f"+trainer.export_dir={tmp_path / 'export'}",
+                   experiment="e2e-ar")
+
+    trainer.fit()
+    assert history(trainer, "weight_sync/version") == [1, 2, 3] and history(trainer, "rollout/version_lag_max") == [0] * 3
+    gap = history(trainer, "rollout/logp_gap")
+    assert len(gap) == steps and max(gap) < 1e-4, gap  # the engine's log-probs == the rank's, images included
+    assert all(0 <= r <= 1 for r in history(trainer, "reward/colour_letter/mean"))
+    table = sample_table(trainer, "samples/step_000003.json")
+    assert set(table["columns"]) >= {"prompt", "completion", "reward"} and len(table["data"]) == 32
+    trained = VLMBundle.from_config(VLMConfig(pretrained_model_path=ExportInfo.read(str(tmp_path / "export")).model_path))
+    initial = VLMBundle.from_config(VLMConfig()).model.state_dict()
+    after = trained.model.state_dict()
+    vision = [k for k in initial if ".visual." in f".{k}"]
+    assert vision and all(torch.equal(after[k], initial[k]) for k in vision)  # freeze_vision: the tower never trained
+    assert any(not torch.equal(after[k], initial[k]) for k in initial if k not in vision)
 
 
 def test_a_failed_worker_start_leaves_no_serve_app(ray_local, tmp_path):

@@ -184,11 +184,13 @@ class CausalLMPipeline:
 
     @torch.no_grad()
     def sample_ids(
-        self, prompt_ids: list[list[int]], seeds: list[int], *, module: torch.nn.Module | None = None
+        self, prompt_ids: list[list[int]], seeds: list[int], *, module: torch.nn.Module | None = None,
+        prefill_context: Any = None,
     ) -> list[tuple[TextPart, str]]:
         """``sample`` from contexts given as token ids (token in, token out: an agent's next turn continues
         from the exact ids of everything before it). Each context must be 1..``max_prompt_tokens`` ids: it is
-        never truncated here (a caller whose context outgrew the limit ends its trajectory instead)."""
+        never truncated here (a caller whose context outgrew the limit ends its trajectory instead).
+        ``prefill_context`` goes to ``_prefill`` (a vision-language subclass passes the contexts' images)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"got {len(prompt_ids)} contexts but {len(seeds)} seeds; pass one seed per context")
         if not prompt_ids:
@@ -200,7 +202,7 @@ class CausalLMPipeline:
                                  "truncated: end the trajectory or raise max_prompt_tokens)")
         prompt_ids = [[int(i) for i in ids] for ids in prompt_ids]
         module = self.bundle.model if module is None else module
-        tokens, log_probs, lengths = self._decode(module, prompt_ids, seeds)
+        tokens, log_probs, lengths = self._decode(module, prompt_ids, seeds, prefill_context)
         outputs = []
         for b, ids in enumerate(prompt_ids):
             n = int(lengths[b])
@@ -219,7 +221,7 @@ class CausalLMPipeline:
         return outputs
 
     def _decode(
-        self, module: torch.nn.Module, prompt_ids: list[list[int]], seeds: list[int]
+        self, module: torch.nn.Module, prompt_ids: list[list[int]], seeds: list[int], prefill_context: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """KV-cache loop: tokens [B, N], log-probs [B, N] (float32, CPU), lengths [B] (up to and incl. the stop token)."""
         device = _module_device(module)
@@ -231,7 +233,7 @@ class CausalLMPipeline:
             input_ids[b, width - len(ids) :] = torch.tensor(ids)
             attention[b, width - len(ids) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
-        positions, next_position, prefill_inputs = self._prefill(module, input_ids, attention)
+        positions, next_position, prefill_inputs = self._prefill(module, input_ids, attention, prefill_context)
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         stop_ids = self.stop_token_ids.to(device)
 
@@ -266,10 +268,10 @@ class CausalLMPipeline:
             next_position = next_position + 1
         return tokens.cpu(), log_probs.cpu(), lengths.cpu()
 
-    def _prefill(self, module: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor
+    def _prefill(self, module: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, context: Any = None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Position ids of the left-padded prompts [B, W], each row's next position [B], and extra inputs of the
-        first forward call (a vision-language subclass adds its images and 3D positions)."""
+        first forward call (a vision-language subclass adds its images, ``context``, and 3D positions)."""
         return (attention.cumsum(-1) - 1).clamp_min(0), attention.sum(-1), {}
 
     def _step_positions(self, next_position: torch.Tensor) -> torch.Tensor:

@@ -145,20 +145,16 @@ class VLMPipeline(CausalLMPipeline):
 
     def _sample_encoded(self, prompt_ids: list[list[int]], visions: list[dict[str, torch.Tensor] | None],
                         seeds: list[int], module: torch.nn.Module | None) -> list[tuple[TextPart, str]]:
-        self._visions = visions  # read by _prefill while sample_ids runs the loop
-        try:
-            outputs = self.sample_ids(prompt_ids, seeds, module=module)
-        finally:
-            self._visions = None
+        outputs = self.sample_ids(prompt_ids, seeds, module=module, prefill_context=visions)
         for (part, _), vision in zip(outputs, visions):
             part.vision = vision
         return outputs
 
-    def _prefill(self, module: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor
+    def _prefill(self, module: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, context: Any = None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """3D positions [3, B, W] of the left-padded prompts, each row's next text position [B], and the prefill's
-        vision inputs (every row's images, in row order)."""
-        visions = getattr(self, "_visions", None) or [None] * input_ids.shape[0]
+        vision inputs (``context``: every row's images or None, in row order)."""
+        visions = context or [None] * input_ids.shape[0]
         extra = _vision_inputs(visions, input_ids.device)
         positions, deltas = self._rope_index(module, input_ids, attention, extra.get("image_grid_thw"))
         return positions, attention.sum(-1) + deltas.view(-1).to(attention.device), extra

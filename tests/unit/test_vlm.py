@@ -112,6 +112,19 @@ def test_a_sample_depends_on_its_own_image_and_seed_only(pipe, batch_out):
     assert not torch.allclose(out[1][0].log_probs[:1], other.log_probs[:1])  # the first token's distribution moved
 
 
+def test_completions_never_contain_vision_markers(bundle):
+    """The processor alone places image slots: the sampled distribution gives the markers probability 0 (the
+    random tiny model would draw one of them in ~1 of 28 tokens), and the recomputation uses the same one."""
+    pipe = VLMPipeline(bundle, max_prompt_tokens=64, max_new_tokens=16)
+    out = pipe.sample_requests([request(i, png((30 * i, 0, 0))) for i in range(8)])
+    markers = set(pipe.vision_marker_ids.tolist())
+    assert len(markers) == 4 and not any(markers & set(part.completion_ids.tolist()) for part, _ in out)
+    batch = pipe.collate([p for p, _ in out])
+    logp, entropy = pipe.token_log_probs(bundle.model, batch)
+    mask = batch["completion_mask"]
+    assert float(((logp.detach() - batch["old_log_probs"]).abs() * mask).max()) < 1e-5 and torch.isfinite(entropy).all()
+
+
 def test_images_as_paths_bytes_data_urls_and_structs(tmp_path):
     raw = png((10, 20, 30))
     path = tmp_path / "x.png"

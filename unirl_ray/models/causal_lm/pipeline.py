@@ -253,7 +253,7 @@ class CausalLMPipeline:
                 **(prefill_inputs if t == 0 else {}),
             )
             cache = getattr(out, _CACHE_KEY)
-            logp_all = torch.log_softmax(out.logits[:, -1].float() / self.temperature, dim=-1)
+            logp_all = torch.log_softmax(self._mask_logits(out.logits[:, -1]).float() / self.temperature, dim=-1)
             uniforms = torch.stack([torch.rand((), generator=g) for g in generators])
             token = draw_tokens(nucleus_filter(logp_all.exp(), self.top_p), uniforms)
             token = token.masked_fill(finished, self.pad_token_id)
@@ -340,7 +340,13 @@ class CausalLMPipeline:
             position_ids=batch["position_ids"].to(device),
             use_cache=False,
         )
-        return next_token_log_probs(out.logits[:, :-1], input_ids[:, 1:], self.temperature)
+        return next_token_log_probs(self._mask_logits(out.logits[:, :-1]), input_ids[:, 1:], self.temperature)
+
+    def _mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of the sampled distribution: as they are here; a subclass gives tokens the policy may
+        never emit probability 0 (a vision-language model's image placeholders), the same way when sampling and
+        when recomputing, so that the recorded and recomputed log-probs stay those of one distribution."""
+        return logits
 
     def teacher_forced_log_probs(
         self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor

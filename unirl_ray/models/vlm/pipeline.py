@@ -7,8 +7,10 @@ so the prompt's token ids are exactly what the model reads; the image processor'
 ``image_grid_thw`` travel with the trajectory (``TextPart.vision``) and go into the recomputation again.
 Positions are Qwen2.5-VL's 3D rotary ones (``get_rope_index``: text tokens count on, an image's tokens take
 their grid's row / column), computed for the sampling loop and again in ``collate`` for training, and after
-the prompt every new token's three positions are the next text position. Everything else (the fixed-length
-KV-cache loop, per-sample generators, temperature / top-p, stop tokens) is ``CausalLMPipeline``'s.
+the prompt every new token's three positions are the next text position. The vision markers (image / video
+placeholders and their brackets) are never sampled: their probability is 0 in the sampled distribution, when
+sampling and when recomputing alike, so a completion cannot open an image slot. Everything else (the
+fixed-length KV-cache loop, per-sample generators, temperature / top-p, stop tokens) is ``CausalLMPipeline``'s.
 
 Shapes: ``B`` batch, ``L`` longest prompt + completion, ``N_p`` patches of all images of the batch.
 """
@@ -84,8 +86,14 @@ class VLMPipeline(CausalLMPipeline):
         self.image_processor = bundle.image_processor
         super().__init__(bundle, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, use_chat_template=True, system_prompt=system_prompt)
-        self.image_token_id = int(bundle.model.config.image_token_id)
-        self.merge = int(bundle.model.config.vision_config.spatial_merge_size)
+        config = bundle.model.config
+        self.image_token_id = int(config.image_token_id)
+        self.merge = int(config.vision_config.spatial_merge_size)
+        markers = (config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                   getattr(config, "vision_end_token_id", None))
+        self.vision_marker_ids = torch.tensor(sorted({int(t) for t in markers if t is not None}), dtype=torch.long)
+        """Tokens that only the processor places (image / video placeholders and their brackets): never sampled,
+        so that a completion can never be read as an image slot."""
 
     # ------------------------------------------------------------------ prompts
     def encode_request(self, prompt: str, images: list[Any]) -> tuple[list[int], dict[str, torch.Tensor] | None]:
@@ -159,6 +167,11 @@ class VLMPipeline(CausalLMPipeline):
         positions, deltas = self._rope_index(module, input_ids, attention, extra.get("image_grid_thw"))
         return positions, attention.sum(-1) + deltas.view(-1).to(attention.device), extra
 
+    def _mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The vision markers' logits at -1e9 (probability 0 after the softmax; finite, so the entropy stays a
+        number), sampling and recomputation alike."""
+        return logits.index_fill(-1, self.vision_marker_ids.to(logits.device), -1e9)
+
     def _step_positions(self, next_position: torch.Tensor) -> torch.Tensor:
         return next_position.view(1, -1, 1).expand(3, -1, 1)
 
@@ -191,7 +204,7 @@ class VLMPipeline(CausalLMPipeline):
         vision = {k: batch[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in batch}
         out = module(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device),
                      position_ids=batch["position_ids"].to(device), use_cache=False, **vision)
-        return next_token_log_probs(out.logits[:, :-1], input_ids[:, 1:], self.temperature)
+        return next_token_log_probs(self._mask_logits(out.logits[:, :-1]), input_ids[:, 1:], self.temperature)
 
 
 def _vision_inputs(visions: list[dict[str, torch.Tensor] | None], device: torch.device) -> dict[str, torch.Tensor]:

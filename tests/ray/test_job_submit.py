@@ -9,7 +9,8 @@ The job inherits the environment of the process that started the head: PATH star
 2+ GB ``.venv`` is not uploaded): checked on the unpacked package on the head node.
 
 The recipe's ``ray.runtime_env`` ships a reward module of the user's (``py_modules``, outside the working dir)
-and a variable (``env_vars``) to the job: the reward scores in the reward app's Serve replica.
+and a variable (``env_vars``) to the job, and ``ray job submit --runtime-env-json`` another variable: Ray merges
+the two environments, and the reward, which reads both variables, scores in the reward app's Serve replica.
 
 The job is also the diffusion trainer's learning test (the tiny SD3 recipe, Flow-GRPO, one worker): the
 reward rises, the metrics, parameters, images and recipe reach MLflow, and the synchronous checkpoints are
@@ -20,6 +21,7 @@ through its REST API.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -80,15 +82,16 @@ def assert_learned_and_logged(storage: Path) -> None:
 
 
 def assert_the_runtime_env_reached_the_reward_replica(storage: Path) -> None:
-    """Every step the user's module scored 7 in the reward app's replica (imported from py_modules, the value from
-    env_vars), with weight 0: the total reward is the brightness alone."""
+    """Every step the user's module scored 7.5 in the reward app's replica (imported from py_modules; 7 from the
+    recipe's env_vars plus 0.5 from the job's --runtime-env-json), with weight 0: the total reward is the
+    brightness alone."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                for key in ("reward/mark/mean", "reward/brightness/mean", "reward/mean")}
-    assert history["reward/mark/mean"] == {step: 7.0 for step in range(1, STEPS + 1)}, history["reward/mark/mean"]
+    assert history["reward/mark/mean"] == {step: 7.5 for step in range(1, STEPS + 1)}, history["reward/mark/mean"]
     assert history["reward/mean"] == pytest.approx(history["reward/brightness/mean"], abs=1e-9)
 
 
@@ -153,15 +156,18 @@ def test_job_submit_runs_the_sd3_recipe(ray_head, tmp_path):
     url, env, temp_dir = ray_head.url, ray_head.env, ray_head.temp_dir
     storage = tmp_path / "runs"
     # a reward module of the user's outside the working dir, shipped by the recipe's ray.runtime_env (py_modules),
-    # reading a variable that only the recipe's env_vars set: it scores in the reward app's Serve replica
+    # reading a variable that only the recipe's env_vars set and one that only the job's runtime env sets: it scores
+    # in the reward app's Serve replica
     package = tmp_path / "project" / "my_job_rewards"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "rewards.py").write_text("import os\n\n\ndef mark(*, images, prompts, **_):\n"
-                                        "    return [float(os.environ['UNIRL_TEST_MARK'])] * len(prompts)\n")
+                                        "    value = float(os.environ['UNIRL_TEST_MARK']) + float(os.environ['UNIRL_JOB_OFFSET'])\n"
+                                        "    return [value] * len(prompts)\n")
     t0 = time.perf_counter()
     proc = _ray(
-        env, "job", "submit", "--address", url, "--working-dir", str(REPO_ROOT), "--",
+        env, "job", "submit", "--address", url, "--working-dir", str(REPO_ROOT),
+        "--runtime-env-json", json.dumps({"env_vars": {"UNIRL_JOB_OFFSET": "0.5"}}), "--",
         "python", "recipes/sd3.py",
         f"trainer.num_steps={STEPS}", "trainer.checkpoint_every=4", "tracking.log_samples_every=4",
         f"trainer.storage_path={storage}", "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2",

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from unirl_ray.models.causal_lm.bundle import CausalLMBundle, _load_tokenizer
 from unirl_ray.models.vlm.config import TinyVLMConfig, VLMConfig
 
 logger = logging.getLogger(__name__)
@@ -73,23 +74,19 @@ def _vision_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 @dataclass(kw_only=True)
-class VLMBundle:
+class VLMBundle(CausalLMBundle):
     """A Qwen2.5-VL model (in eval mode: no dropout, so recomputed log-probs match sampled ones), its tokenizer
-    (with the chat template) and its image processor.
+    (with the chat template) and its image processor: a causal LM that also reads images.
 
     With ``config.freeze_vision`` the model answers ``frozen_parameters()`` with its vision tower, which the train
     backend keeps frozen in a full fine-tune (LoRA adapters go where ``lora_cfg.target_modules`` say)."""
 
     model: torch.nn.Module
     """``Qwen2_5_VLForConditionalGeneration`` (the train backend may wrap it, e.g. LoRA + FSDP2, in place)."""
-    tokenizer: Any
-    """The model's tokenizer, with its chat template, a pad and an EOS token."""
     image_processor: Any
     """Qwen2-VL's image processor: resizes (to a multiple of patch x merge, within min / max pixels), patches."""
     config: VLMConfig
     """The config this bundle was built from."""
-    is_demo: bool
-    """True for the tiny randomly initialised demo model."""
 
     @classmethod
     def from_config(cls, config: VLMConfig) -> "VLMBundle":
@@ -113,26 +110,10 @@ class VLMBundle:
         return cls(model=model, tokenizer=tokenizer, image_processor=image_processor, config=config,
                    is_demo=config.is_demo)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Weight dtype from the config."""
-        return self.config.dtype
-
-    def to(self, device: torch.device | str) -> "VLMBundle":
-        """Move the model to ``device``; returns ``self``."""
-        self.model.to(device)
-        return self
-
     def save_pretrained(self, directory: str) -> str:
         """Write the model (safetensors), its tokenizer (with the chat template) and its image processor to
         ``directory``, a valid ``pretrained_model_path``; returns ``directory``. The family's export hook."""
-        os.makedirs(directory, exist_ok=True)
-        self.model.save_pretrained(directory)
-        self.tokenizer.save_pretrained(directory)
+        super().save_pretrained(directory)
         self.image_processor.save_pretrained(directory)
         return directory
 
@@ -143,8 +124,6 @@ def _load(config: VLMConfig) -> tuple[torch.nn.Module, Any, Any]:
     import json
 
     from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
-
-    from unirl_ray.models.causal_lm.bundle import _load_tokenizer
 
     path = config.pretrained_model_path
     logger.info("VLM: loading %s (%s)", path, config.torch_dtype)

@@ -1,7 +1,7 @@
 """Test-wide environment (offline hubs, quiet Ray, no telemetry), the markers, and the ``ray_local`` fixture.
 
 Markers (declared in pyproject.toml): ``e2e`` is set by the modules that run whole jobs (trainers on Ray
-Train + Serve + Data + MLflow, ``ray job submit``, the notebook); ``ray`` is added here to every test that
+Train + Serve + Data + MLflow, ``ray job submit``, the notebooks); ``ray`` is added here to every test that
 starts Ray (it uses ``ray_local``, or lives in an ``e2e`` module), and ``own_ray`` to those of them that
 start a Ray of their own instead of using ``ray_local`` (so they can run beside the tests on the shared
 one: ``.ci/test``); ``gpu`` by the tests that need CUDA. The fast lane is ``pytest -m "not e2e"``.

@@ -8,9 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
-
-from unirl_ray.core.dtypes import TORCH_DTYPES
+from unirl_ray.models.causal_lm.config import CausalLMConfig
 
 
 @dataclass(kw_only=True)
@@ -43,16 +41,12 @@ class TinyVLMConfig:
 
 
 @dataclass(kw_only=True)
-class VLMConfig:
+class VLMConfig(CausalLMConfig):
     """Which vision-language model to load, in which dtype, and whether its vision tower trains."""
 
     pretrained_model_path: str | None = None
     """Local Hugging Face Qwen2.5-VL folder (config.json, weights, tokenizer and processor files); ``None`` builds
     the tiny DEMO model."""
-    torch_dtype: str = "float32"
-    """Dtype of the weights: ``float32``, ``bfloat16`` or ``float16``."""
-    seed: int = 0
-    """Seed of the demo model's weights when ``tiny`` is not given (unused for a checkpoint)."""
     tiny: TinyVLMConfig | None = None
     """Shape knobs of the demo model; defaults to ``TinyVLMConfig(seed=seed)``."""
     freeze_vision: bool = True
@@ -65,8 +59,6 @@ class VLMConfig:
     ~12.8M pixels, so a recipe usually sets it, e.g. 401408 = 512 x 28 x 28)."""
 
     def __post_init__(self) -> None:
-        if self.torch_dtype not in TORCH_DTYPES:
-            raise ValueError(f"torch_dtype must be one of {sorted(TORCH_DTYPES)}, got {self.torch_dtype!r}")
         if self.tiny is None:
             self.tiny = TinyVLMConfig(seed=self.seed)
         for name in ("min_pixels", "max_pixels"):
@@ -76,23 +68,13 @@ class VLMConfig:
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
         path = self.pretrained_model_path
-        if path is None:
-            return
-        if not os.path.isdir(path):
-            raise ValueError(f"pretrained_model_path {path!r} does not exist or is not a folder; expected a local "
-                             "Qwen2.5-VL folder (config.json, weights, tokenizer and processor files), or leave it unset "
-                             "(null) to use the tiny demo model")
-        for name in ("config.json", "preprocessor_config.json"):
-            if not os.path.isfile(os.path.join(path, name)):
-                raise ValueError(f"pretrained_model_path {path!r} has no {name}; expected a folder written by "
-                                 "save_pretrained (model and processor) or a downloaded Qwen2.5-VL repository")
-
-    @property
-    def is_demo(self) -> bool:
-        """True when no checkpoint is given and the tiny random model is used."""
-        return self.pretrained_model_path is None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """``torch_dtype`` as a ``torch.dtype``."""
-        return TORCH_DTYPES[self.torch_dtype]
+        if path is not None:
+            if not os.path.isdir(path):
+                raise ValueError(f"pretrained_model_path {path!r} does not exist or is not a folder; expected a local "
+                                 "Qwen2.5-VL folder (config.json, weights, tokenizer and processor files), or leave it "
+                                 "unset (null) to use the tiny demo model")
+            for name in ("config.json", "preprocessor_config.json"):
+                if not os.path.isfile(os.path.join(path, name)):
+                    raise ValueError(f"pretrained_model_path {path!r} has no {name}; expected a folder written by "
+                                     "save_pretrained (model and processor) or a downloaded Qwen2.5-VL repository")
+        super().__post_init__()  # the dtype

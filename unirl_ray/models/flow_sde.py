@@ -109,6 +109,15 @@ def decode_image_latents(vae: torch.nn.Module, latents: torch.Tensor, device: to
     return to_uint8(img).permute(0, 2, 3, 1).cpu().numpy()
 
 
+def vae_latent_stats(vae: torch.nn.Module, device: torch.device, ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Wan-style VAE's per-channel latent ``latents_mean`` / ``latents_std`` as float32 [1, C, 1, ...] tensors of
+    ``ndim`` dimensions on ``device`` (5 for video latents [B, C, F, h, w], 4 for image latents [B, C, h, w])."""
+    shape = (1, int(vae.config.z_dim)) + (1,) * (ndim - 2)
+    mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(shape)
+    std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(shape)
+    return mean.to(device), std.to(device)
+
+
 def scale_image_latents(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
     """Raw VAE latents -> the float32 latents the model sees (the inverse of ``decode_image_latents``' scaling)."""
     shift = vae.config.get("shift_factor", None) or 0.0

@@ -339,8 +339,13 @@ class CausalLMPipeline:
             attention_mask=batch["attention_mask"].to(device),
             position_ids=batch["position_ids"].to(device),
             use_cache=False,
+            **self._extra_inputs(batch, device),
         )
         return next_token_log_probs(self._mask_logits(out.logits[:, :-1]), input_ids[:, 1:], self.temperature)
+
+    def _extra_inputs(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """Model inputs of a ``collate`` batch beyond ids, mask and positions (a vision-language subclass: its images)."""
+        return {}
 
     def _mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of the sampled distribution: as they are here; a subclass gives tokens the policy may

@@ -73,5 +73,7 @@ class QwenImageBundle(DiffusersBundle):
     def diffusers_pipeline(self) -> Any:
         """A ``QwenImagePipeline`` over these components, dropping this tokenizer's template prefix."""
         pipe = super().diffusers_pipeline()
-        pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe)
+        if not getattr(pipe, "_unirl_prefix_counted", False):  # once per pipeline object, not per prompt batch
+            pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe)
+            pipe._unirl_prefix_counted = True
         return pipe

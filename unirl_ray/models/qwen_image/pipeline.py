@@ -20,7 +20,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from unirl_ray.config.checks import PositiveInt
-from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, to_uint8
+from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, to_uint8, vae_latent_stats
 from unirl_ray.models.flux.pipeline import pack, unpack
 from unirl_ray.models.qwen_image.bundle import QwenImageBundle
 from unirl_ray.models.qwen_image.config import PACK
@@ -160,11 +160,7 @@ class QwenImagePipeline(FlowSDEPipeline):
 
     def _latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel VAE latent mean and std, [1, C, 1, 1] float32 on the bundle's device."""
-        config = self.bundle.vae.config
-        c = int(config.z_dim)
-        mean = torch.tensor(config.latents_mean, dtype=torch.float32).view(1, c, 1, 1)
-        std = torch.tensor(config.latents_std, dtype=torch.float32).view(1, c, 1, 1)
-        return mean.to(self.bundle.device), std.to(self.bundle.device)
+        return vae_latent_stats(self.bundle.vae, self.bundle.device, 4)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:

@@ -25,7 +25,7 @@ import torch
 
 from unirl_ray.config.checks import PositiveInt
 from unirl_ray.core.sample import TextPart
-from unirl_ray.models.causal_lm.pipeline import CausalLMPipeline, Temperature, TopP, _module_device
+from unirl_ray.models.causal_lm.pipeline import CausalLMPipeline, Temperature, TopP
 from unirl_ray.models.vlm.bundle import VLMBundle
 
 
@@ -195,17 +195,9 @@ class VLMPipeline(CausalLMPipeline):
         batch["position_ids"] = positions.contiguous()
         return batch
 
-    def token_log_probs(self, module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``CausalLMPipeline.token_log_probs`` with the images and the 3D positions of ``collate``."""
-        from unirl_ray.models.causal_lm.pipeline import next_token_log_probs
-
-        device = _module_device(module)
-        input_ids = batch["input_ids"].to(device)
-        vision = {k: batch[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in batch}
-        out = module(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device),
-                     position_ids=batch["position_ids"].to(device), use_cache=False, **vision)
-        return next_token_log_probs(self._mask_logits(out.logits[:, :-1]), input_ids[:, 1:], self.temperature)
-
+    def _extra_inputs(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """The images of ``collate`` (the 3D positions are its ``position_ids``)."""
+        return {k: batch[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in batch}
 
 def _vision_inputs(visions: list[dict[str, torch.Tensor] | None], device: torch.device) -> dict[str, torch.Tensor]:
     """The rows' images as one model input: ``pixel_values`` and ``image_grid_thw`` concatenated in row order."""

@@ -18,7 +18,15 @@ import pkgutil
 import sys
 
 # what the package imports only inside functions (Ray libraries on first use, engines, tools)
-EXTRA = ("ray.train.torch", "ray.serve", "ray.data", "mlflow", "mlflow.tracking", "pytest", "nbclient")
+EXTRA = ("ray.train.torch", "ray.serve", "ray.data", "mlflow", "mlflow.tracking", "pytest", "nbclient",
+         # what Ray's own processes import: the Train controller and worker actors (ray.tune and ray.air with them),
+         # Serve's controller and replicas, Ray Data's executor, the autoscaler monitor, dashboard, agents and
+         # log monitor of every `ray.init` (~140 modules compiled again by every such process otherwise)
+         "ray.train.v2._internal.execution.controller.controller", "ray.train.v2._internal.execution.worker_group.worker",
+         "ray.serve._private.controller", "ray.serve._private.replica",
+         "ray.data._internal.issue_detection.issue_detector_manager", "ray.autoscaler._private.monitor",
+         "ray.autoscaler.v2.monitor", "ray.dashboard.dashboard", "ray.dashboard.agent", "ray._private.log_monitor",
+         "ray._private.runtime_env.agent.main", "torch.distributed.checkpoint.state_dict", "fsspec.implementations.http")
 VLLM = ("vllm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core")
 
 

@@ -1,4 +1,5 @@
-"""PromptSource: reading txt / jsonl / json / parquet / directories with Ray Data, epochs, resume."""
+"""PromptSource: reading txt / jsonl / json / parquet / directories (small files on the driver, larger ones with Ray
+Data: the same rows), epochs, resume."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from unirl_ray.assets import asset_path
 from unirl_ray.data import PromptSource
+from unirl_ray.data import prompts as prompts_module
 
 
 def _write_jsonl(path, rows):
@@ -32,14 +34,32 @@ def files(tmp_path_factory):
     (d / "blank.txt").write_text("\n  \n\n")
     (d / "empty.jsonl").write_text("")
     (d / "p.csv").write_text("prompt\nx\n")
+    _write_jsonl(d / "keys.jsonl", [{"prompt": "k0", "x": 1}, {"prompt": "k1", "y": [2, 3]}, {"prompt": "k2", "x": None}])
     return d
+
+
+@pytest.fixture(params=["driver", "ray_data"])
+def reader(request, monkeypatch):
+    """Each reading test twice: small files read on the driver (Ray Data's readers raise if called), and with
+    Ray Data (``DRIVER_READ_BYTES`` 0: every file is larger)."""
+    import ray.data
+
+    if request.param == "ray_data":
+        monkeypatch.setattr(prompts_module, "DRIVER_READ_BYTES", 0)
+    else:
+        def refuse(*args, **kwargs):
+            raise AssertionError("a small prompt file was read with Ray Data")
+
+        monkeypatch.setattr(ray.data, "read_text", refuse)
+        monkeypatch.setattr(ray.data, "read_json", refuse)
+    return request.param
 
 
 def _prompts(rows):
     return [r["prompt"] for r in rows]
 
 
-def test_txt_skips_blank_lines(ray_local, files):
+def test_txt_skips_blank_lines(ray_local, files, reader):
     src = PromptSource(path=str(files / "p.txt"), shuffle=False)
     assert len(src) == 3
     rows = src.next_batch(3)
@@ -47,16 +67,19 @@ def test_txt_skips_blank_lines(ray_local, files):
                     {"prompt": "a fox", "row_index": 2}]
 
 
-def test_jsonl_columns(ray_local, files):
+def test_jsonl_columns(ray_local, files, reader):
     all_cols = PromptSource(path=str(files / "p.jsonl"), shuffle=False).next_batch(2)
     assert all_cols[1] == {"prompt": "q1", "answer": 1, "meta": "m", "row_index": 1}
     some = PromptSource(path=str(files / "p.jsonl"), columns=["answer"], shuffle=False).next_batch(1)
     assert some == [{"prompt": "q0", "answer": 0, "row_index": 0}]
     arr = PromptSource(path=str(files / "arr.json"), prompt_column="text", shuffle=False).next_batch(2)
     assert arr == [{"prompt": "x", "k": 1, "row_index": 0}, {"prompt": "y", "k": 2, "row_index": 1}]
+    keys = PromptSource(path=str(files / "keys.jsonl"), shuffle=False).next_batch(3)  # a key some rows lack: None
+    assert keys == [{"prompt": "k0", "x": 1, "y": None, "row_index": 0}, {"prompt": "k1", "x": None, "y": [2, 3], "row_index": 1},
+                    {"prompt": "k2", "x": None, "y": None, "row_index": 2}]
 
 
-def test_parquet_and_directory(ray_local, files):
+def test_parquet_and_directory(ray_local, files, reader):
     src = PromptSource(path=str(files / "p.parquet"), prompt_column="caption", columns=["score"], shuffle=False)
     assert src.next_batch(2) == [{"prompt": "c0", "score": 0, "row_index": 0}, {"prompt": "c1", "score": 1, "row_index": 1}]
     d = PromptSource(path=str(files / "dir"), shuffle=False)  # files in sorted order, empty prompt skipped
@@ -132,9 +155,11 @@ def test_cursor_errors(files):
         src.next_batch(0)
 
 
-def test_reads_when_only_a_quarter_cpu_is_free(ray_local, files):
-    """Train workers and replicas may hold all but a fraction of a CPU: reading must still schedule."""
+def test_reads_when_only_a_quarter_cpu_is_free(ray_local, files, monkeypatch):
+    """Train workers and replicas may hold all but a fraction of a CPU: a Ray Data read must still schedule."""
     import threading
+
+    monkeypatch.setattr(prompts_module, "DRIVER_READ_BYTES", 0)
 
     from ray.util.placement_group import placement_group, remove_placement_group
 

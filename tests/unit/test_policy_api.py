@@ -338,3 +338,14 @@ def test_the_builder_picks_vllm_for_a_local_llm_folder_where_it_is_installed_els
         build_policy_app(folder, engine="trt")
     with pytest.raises(ValueError, match="engine_kwargs are vLLM engine options"):
         build_policy_app(folder, engine="hf", engine_kwargs={"max_model_len": 64})
+
+
+def test_an_eager_vllm_engine_on_cpu_compiles_nothing():
+    """vLLM's CPU backend with ``enforce_eager`` (the default of both vLLM paths) runs its ``torch.compile``d sampler
+    helpers eagerly (``TORCHDYNAMO_DISABLE`` in the engine's process: inductor would build C++ in every new engine
+    process); a GPU engine, or one asked to compile, keeps its compilation."""
+    from unirl_ray.serve.vllm_app import VLLM_ENGINE_KWARGS, engine_env
+
+    assert engine_env(dict(VLLM_ENGINE_KWARGS), on_gpu=False) == {"TORCHDYNAMO_DISABLE": "1"}
+    assert engine_env({"enforce_eager": True}, on_gpu=True) == {}
+    assert engine_env({"enforce_eager": False}, on_gpu=False) == {}

@@ -19,6 +19,21 @@ VLLM_ENGINE_KWARGS = {"enforce_eager": True}
 ``torch.compile`` at start (an exported policy is served at once; pass ``enforce_eager: false`` for the
 faster steady state on GPUs)."""
 
+EAGER_CPU_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+"""The environment of a vLLM engine on the CPU backend with ``enforce_eager`` (the default): besides the model,
+vLLM compiles a few sampler helpers with ``torch.compile`` (the log-prob rank count, top-k / top-p), which on CPU
+means inductor writing and building C++ with the system compiler in every new engine process: 2-9 s of CPU before
+its first answer, for functions that take microseconds on a tiny batch (1.9-8.7 s against 0.05 s for a first
+generate of 8 sampled answers with log-probs, the tiny LM, 2-core machine, 2026-12-07). Eager engines run them
+eagerly too; ``enforce_eager: false`` keeps every compilation."""
+
+
+def engine_env(engine_kwargs: dict[str, Any], *, on_gpu: bool) -> dict[str, str]:
+    """Environment variables for the process that runs a vLLM engine with ``engine_kwargs``: ``EAGER_CPU_ENV`` on
+    the CPU backend with ``enforce_eager``, else none."""
+    return {} if on_gpu or not engine_kwargs.get("enforce_eager") else dict(EAGER_CPU_ENV)
+
+
 CPU_KV_CACHE_BYTES = 1 << 30
 """KV-cache size of a replica on vLLM's CPU backend unless ``engine_kwargs`` set ``kv_cache_memory_bytes`` (or
 ``gpu_memory_utilization``, which there is the fraction of the host's memory: 0.92 by default, so a replica
@@ -86,6 +101,7 @@ def build_vllm_policy_app(model_path: str, *, name: str, api_key: str | None = N
         engine.setdefault("tensor_parallel_size", int(num_gpus))
     elif "gpu_memory_utilization" not in engine:
         engine.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    env = engine_env(engine, on_gpu=bool(num_gpus))
     config = LLMConfig(
         model_loading_config={"model_id": name, "model_source": model_path},
         accelerator_config={"kind": "gpu" if num_gpus else "cpu"},
@@ -94,6 +110,7 @@ def build_vllm_policy_app(model_path: str, *, name: str, api_key: str | None = N
                            "ray_actor_options": {"num_cpus": num_cpus}},
         # the model is a local folder: no node-initialization task that imports vLLM only to "download" it
         callback_config={"callback_class": "unirl_ray.serve.vllm_node_init.LocalFolderModel"},
+        **({"runtime_env": {"env_vars": env}} if env else {}),  # the replica's; its engine processes inherit it
     )
     server = build_llm_deployment(config)
     ingress = make_fastapi_ingress(OpenAiIngress, app=_ingress_app(api_key))

@@ -247,7 +247,7 @@ class PETrainer(RLTrainer):
         deploy and sleep first."""
         from unirl_ray.rewards import RewardClient
 
-        if hasattr(self.data, "prefetch"):  # the prompts are read (Ray Data) while the workers start
+        if hasattr(self.data, "prefetch"):  # the prompts are read while the workers start
             self.data.prefetch()
         self.reward = self.engine = None
         self._stage_metrics = {}

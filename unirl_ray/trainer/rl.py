@@ -183,7 +183,7 @@ class RLTrainer(BaseTrainer):
                                        sections=engine_sections(self.recipe, self.backend_cfgs), seed=self.run_cfg.seed)
             if self.dedicated.attach:  # a running app: checked first (quick), before anything else starts
                 self.engine = deploy()
-        for source in (self.data, self.eval_source):  # the prompts are read (Ray Data) while the workers start
+        for source in (self.data, self.eval_source):  # the prompts are read while the workers start
             if hasattr(source, "prefetch"):
                 source.prefetch()
         self._reward_deploy: Future | None = _in_background(

@@ -55,6 +55,7 @@ from unirl_ray.config.recipe import instantiate
 from unirl_ray.core.sample import Sample, TextPart
 from unirl_ray.rollout.weight_sync import state_checksum
 from unirl_ray.rollout.engines.base import VersionedEngine, check_version, token_ids_in
+from unirl_ray.serve.vllm_app import engine_env
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,8 @@ class VLLMRolloutEngine(VersionedEngine):
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._thread: threading.Thread | None = None
         llm_kwargs = self._llm_kwargs(seed, engine_kwargs)
+        for key, value in engine_env(llm_kwargs, on_gpu=torch.cuda.is_available()).items():
+            os.environ.setdefault(key, value)  # before vLLM is imported: its torch.compile decorators read it then
         t0 = time.perf_counter()
         self.llm = self._call(self._start, llm_kwargs)
         if mode == "iterator":  # the weights now live in the engine; keep only config and tokenizer files

@@ -119,7 +119,7 @@ def test_http_body_without_images_scores_text():
         async def json(self):
             return {"prompts": ["p1", "p2"], "columns": {"completions": ["#### 1,234", "aaaa"], "answer": ["1234", "5"]}}
 
-    service = RewardService.func_or_class({"rewards": {"math": REWARDS["math"], "chars": REWARDS["chars"]}})
+    service = RewardService({"rewards": {"math": REWARDS["math"], "chars": REWARDS["chars"]}})
     out = asyncio.run(service(Request()))
     assert out["errors"] == {}
     assert out["scores"] == {"math": [1.0, 0.0], "chars": [0.1, 0.0]}  # one "4" in 10 characters

@@ -234,7 +234,7 @@ def test_a_hanging_reward_never_starves_the_healthy_ones():
 
     config = RewardConfig(rewards={"bright": {"fn": "unirl_ray.rewards.image.brightness"}, "hang": {"fn": _hangs}},
                           on_error="skip", timeout_s=0.2, max_ongoing_requests=1).to_dict()
-    service = RewardService.func_or_class(config)
+    service = RewardService(config)
     images = [np.full((4, 4, 3), 255, np.uint8)]
 
     async def calls(n):
@@ -321,7 +321,7 @@ def test_http_requests_the_reward_app_cannot_score_get_400_with_the_reason():
     png = io.BytesIO()
     Image.fromarray(_flat(255, 8)).save(png, format="PNG")
     b64 = base64.b64encode(png.getvalue()).decode()
-    service = RewardService.func_or_class({"rewards": {"bright": {"fn": "unirl_ray.rewards.image.brightness"}}})
+    service = RewardService({"rewards": {"bright": {"fn": "unirl_ray.rewards.image.brightness"}}})
 
     def call(body):
         return asyncio.run(service(Request(body)))

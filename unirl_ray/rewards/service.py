@@ -1,6 +1,6 @@
 """The reward service: reward sources as one Ray Serve app, and the driver-side client.
 
-``RewardService`` is a Serve deployment that runs every configured reward fn on a batch. Each fn runs
+``RewardService`` is the body of a Serve deployment (``build_reward_app``) that runs every configured reward fn on a batch. Each fn runs
 in a worker thread of the replica under its own deadline (``timeout_s``), so a slow or failing source
 is named and the other sources' scores still come back; the driver waits ``timeout_s`` plus a
 transport grace (``CLIENT_GRACE_S``) before it gives up on the whole request. ``RewardClient`` is what the trainer
@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
-from ray import serve
 
 from unirl_ray.rewards.combine import RewardConfig, RewardError, combine, reward_metrics, score_one
 from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, delete_apps, run_app, start_serve
 
 if TYPE_CHECKING:  # replicas never import torch through the Sample module
     from unirl_ray.core.sample import Sample
+    from ray import serve
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,15 @@ RETRY_BACKOFF_MAX_S = 10.0
 """Longest pause between two retries."""
 
 
-@serve.deployment(graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
-                  logging_config={"enable_access_log": False})  # no "CALL score_detailed OK" line per call
+DEPLOYMENT_OPTIONS = {"graceful_shutdown_timeout_s": 5, "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
+                      "logging_config": {"enable_access_log": False}}  # no "CALL score_detailed OK" line per call
+"""Serve options of every reward deployment (``build_reward_app``; replicas and resources come from the config)."""
+
+
 class RewardService:
-    """Runs the configured reward sources on batches (one Serve replica)."""
+    """Runs the configured reward sources on batches: a Serve replica's body (``build_reward_app``), or the
+    driver's own (``LocalRewardHandle``). Plain Python: a driver whose rewards run in it never imports Serve
+    (~0.7 s of its start-up before the workers are launched)."""
 
     def __init__(self, config: Mapping[str, Any]):
         self._config = RewardConfig.from_dict(config)
@@ -240,9 +245,11 @@ def _decode_image(data: Any, index: int = 0) -> np.ndarray:
 
 
 def build_reward_app(config: RewardConfig | Mapping[str, Any]) -> serve.Application:
-    """The bound ``RewardService`` with replicas, resources and concurrency from the config."""
+    """The bound ``RewardService`` deployment with replicas, resources and concurrency from the config."""
+    from ray import serve
+
     cfg = RewardConfig.from_dict(config)
-    return RewardService.options(
+    return serve.deployment(**DEPLOYMENT_OPTIONS)(RewardService).options(
         num_replicas=cfg.num_replicas,
         ray_actor_options=dict(cfg.ray_actor_options),
         max_ongoing_requests=cfg.max_ongoing_requests,
@@ -307,7 +314,7 @@ class LocalRewardHandle:
 
     def __init__(self, config: RewardConfig | Mapping[str, Any]):
         self.config = RewardConfig.from_dict(config)
-        self._service = RewardService.func_or_class(self.config.to_dict())
+        self._service = RewardService(self.config.to_dict())
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-local", daemon=True)
         self._thread.start()
@@ -429,6 +436,8 @@ class RewardClient:
     @classmethod
     def connect(cls, app_name: str = "reward", *, timeout_s: float = 30.0) -> "RewardClient":
         """Attach to a reward app deployed elsewhere (e.g. ``serve deploy serve_apps/reward_config.yaml``)."""
+        from ray import serve
+
         handle = serve.get_app_handle(app_name)
         cfg = RewardConfig.from_dict(handle.get_config.remote().result(timeout_s=timeout_s))
         return cls([RewardApp(handle, cfg, app_name)], cfg)
@@ -578,6 +587,8 @@ def _close(app: RewardApp) -> None:
 
 
 def _delete_quietly(app_name: str) -> None:
+    from ray import serve
+
     try:
         serve.delete(app_name, _blocking=False)
     except Exception as exc:  # noqa: BLE001 - best effort cleanup after a failed deploy

@@ -1,11 +1,11 @@
 """The reward service: reward sources as one Ray Serve app, and the driver-side client.
 
-``RewardService`` is the body of a Serve deployment (``build_reward_app``) that runs every configured reward fn on a batch. Each fn runs
-in a worker thread of the replica under its own deadline (``timeout_s``), so a slow or failing source
-is named and the other sources' scores still come back; the driver waits ``timeout_s`` plus a
-transport grace (``CLIENT_GRACE_S``) before it gives up on the whole request. ``RewardClient`` is what the trainer
-holds: it deploys the app (HTTP off unless asked; rule rewards run in the client's own process instead,
-``RewardConfig.placement``), splits a batch across replicas, applies the retry
+``RewardService`` runs every configured reward fn on a batch, as the body of a Serve deployment
+(``build_reward_app``) or in the driver. Each fn runs in a worker thread of its own under its own deadline
+(``timeout_s``), so a slow or failing source is named and the other sources' scores still come back; the
+driver waits ``timeout_s`` plus a transport grace (``CLIENT_GRACE_S``) before it gives up on the whole request.
+``RewardClient`` is what the trainer holds: it deploys the app (HTTP off unless asked; rule rewards run in the
+client's own process instead, ``RewardConfig.placement``), splits a batch across replicas, applies the retry
 and ``on_error`` policy documented in ``unirl_ray.rewards.combine``, writes ``Sample.rewards`` /
 ``Sample.reward`` in place and returns the step's reward metrics.
 

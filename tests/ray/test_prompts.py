@@ -187,6 +187,8 @@ def test_prefetch_reads_in_the_background_and_open_raises_what_the_read_raised(r
     assert src.next_batch(3) == [{"prompt": "a cat", "row_index": 0}, {"prompt": "a dog", "row_index": 1},
                                  {"prompt": "a fox", "row_index": 2}]
     assert pickle.loads(pickle.dumps(src)).next_batch(1) == [{"prompt": "a cat", "row_index": 0}]  # epoch 2
+    unopened = pickle.loads(pickle.dumps(PromptSource(path=str(files / "p.jsonl"), shuffle=False)))  # reads its file
+    assert unopened.next_batch(1) == [{"prompt": "q0", "answer": 0, "meta": "m", "row_index": 0}]
 
     broken = PromptSource(path=str(files / "p.txt"))
     monkeypatch.setattr(broken, "_read_rows", lambda: (_ for _ in ()).throw(OSError("storage went away")))

@@ -74,11 +74,13 @@ def _lines(path: str):
                                  "line); save the file as UTF-8") from None
 
 
-def check_text_file(path: str) -> None:
-    """A .txt prompt file must be UTF-8 and hold at least one non-blank line; ValueError naming the file
-    (and the line) otherwise."""
-    if sum(bool(line.strip()) for _, line in _lines(path)):  # every line decoded, not only the first
-        return
+def text_rows(path: str) -> list[dict[str, str]]:
+    """The rows of a .txt prompt file (``{"text": line}`` per non-blank line, as Ray Data's
+    ``read_text(drop_empty_lines=True)`` gives them). It must be UTF-8 and hold at least one non-blank line;
+    ValueError naming the file (and the line) otherwise."""
+    rows = [{"text": line.rstrip("\r\n")} for _, line in _lines(path) if line.strip()]  # every line decoded
+    if rows:
+        return rows
     raise ValueError(f"prompt file {path} is empty (no non-blank lines); write one prompt per line "
                      "or point data.path at another file")
 
@@ -97,12 +99,15 @@ def _check_row(row: Any, where: str, prompt_column: str) -> None:
 
 
 def check_jsonl_file(path: str, prompt_column: str) -> int:
-    """Every non-blank line of a .jsonl file must be a JSON object holding ``prompt_column`` (a string).
+    """The number of rows of a .jsonl prompt file (see ``jsonl_rows``)."""
+    return len(jsonl_rows(path, prompt_column))
 
-    Returns the number of rows. The first bad line raises ValueError naming the file, the line
-    number and what to fix (Ray Data would otherwise fail later, inside a read task, without them).
-    """
-    rows = 0
+
+def jsonl_rows(path: str, prompt_column: str) -> list[dict[str, Any]]:
+    """The rows of a .jsonl prompt file: every non-blank line must be a JSON object holding ``prompt_column``
+    (a string). The first bad line raises ValueError naming the file, the line number and what to fix (Ray
+    Data would otherwise fail later, inside a read task, without them)."""
+    rows = []
     for number, line in _lines(path):
         if not line.strip():
             continue
@@ -113,17 +118,17 @@ def check_jsonl_file(path: str, prompt_column: str) -> int:
             raise ValueError(f"{where} is not valid JSON ({exc.msg}): {line.strip()[:80]!r}; each line of a "
                              ".jsonl prompt file must be one JSON object: fix or delete that line") from None
         _check_row(row, where, prompt_column)
-        rows += 1
+        rows.append(row)
     if not rows:
         raise ValueError(f"prompt file {path} is empty (no JSON lines); add prompts or point data.path at another file")
     return rows
 
 
-def check_json_file(path: str, prompt_column: str) -> int:
-    """A .json prompt file: a JSON array of objects (checked item by item), or JSON lines (as .jsonl)."""
+def json_rows(path: str, prompt_column: str) -> list[dict[str, Any]]:
+    """The rows of a .json prompt file: a JSON array of objects (checked item by item), or JSON lines (as .jsonl)."""
     text = "".join(line for _, line in _lines(path))
     if not text.lstrip().startswith("["):
-        return check_jsonl_file(path, prompt_column)
+        return jsonl_rows(path, prompt_column)
     try:
         items = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -133,7 +138,7 @@ def check_json_file(path: str, prompt_column: str) -> int:
         _check_row(row, f"{path}, item {index}", prompt_column)
     if not items:
         raise ValueError(f"prompt file {path} is an empty array; add prompts or point data.path at another file")
-    return len(items)
+    return items
 
 
 @dataclass(kw_only=True)
@@ -188,17 +193,21 @@ class PromptSource:
 
     def _check_columns(self) -> None:
         """Checks on the driver before anything starts: no empty file, every .jsonl line a JSON object
-        with the prompt column, the first row / parquet schema holding the requested columns."""
+        with the prompt column, the first row / parquet schema holding the requested columns. The rows of
+        small .txt / .json / .jsonl files, parsed to check them, are kept for the read (``_read_on_driver``)."""
+        self._parsed: list[dict[str, Any]] | None = None
+        if self._kind == "text" and self.columns:
+            raise ValueError(f"a .txt prompt file has no columns; drop columns={self.columns}")
+        if self._kind != "parquet":
+            small = sum(os.path.getsize(p) for p in self._files) <= DRIVER_READ_BYTES
+            rows = []
+            for path in self._files:
+                checked = self._file_rows(path)
+                if small:
+                    rows += checked
+            self._parsed = rows if small else None
         if self._kind == "text":
-            if self.columns:
-                raise ValueError(f"a .txt prompt file has no columns; drop columns={self.columns}")
-            for path in self._files:
-                check_text_file(path)
             return
-        if self._kind in ("jsonl", "json"):
-            check = check_jsonl_file if self._kind == "jsonl" else check_json_file
-            for path in self._files:
-                check(path, self.prompt_column)
         available = self._peek_columns(self._files[0])
         if available is None:
             return
@@ -217,7 +226,7 @@ class PromptSource:
         if not first_line:
             raise ValueError(f"prompt file {path} is empty; add prompts or point data.path at another file")
         if first_line.lstrip().startswith("["):
-            items = json.loads("".join(line for _, line in _lines(path)))  # checked by check_json_file
+            items = json.loads("".join(line for _, line in _lines(path)))  # checked by json_rows
             return list(items[0]) if items and isinstance(items[0], dict) else None
         try:
             first = json.loads(first_line)
@@ -268,7 +277,7 @@ class PromptSource:
     def _read_rows(self) -> list[dict[str, Any]]:
         if self._kind == "parquet":
             return self._read_parquet_on_driver()
-        if sum(os.path.getsize(p) for p in self._files) <= DRIVER_READ_BYTES:
+        if self._parsed is not None or sum(os.path.getsize(p) for p in self._files) <= DRIVER_READ_BYTES:
             return self._read_on_driver()
         import_ray_library("data")  # not concurrently with the fit thread's import of Ray Train
         import ray.data
@@ -284,7 +293,11 @@ class PromptSource:
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable without a read in flight (the thread stays with this process)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_prefetch", "_fetched")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_prefetch", "_fetched", "_parsed")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._parsed = None  # an unopened source reads its files again where it is unpickled
 
     @staticmethod
     def _uri(path: str) -> str:
@@ -310,21 +323,18 @@ class PromptSource:
             rows += pq.read_table(path, columns=wanted).to_pylist()
         return rows
 
+    def _file_rows(self, path: str) -> list[dict[str, Any]]:
+        """The checked rows of one .txt / .json / .jsonl file."""
+        if self._kind == "text":
+            return text_rows(path)
+        return (jsonl_rows if self._kind == "jsonl" else json_rows)(path, self.prompt_column)
+
     def _read_on_driver(self) -> list[dict[str, Any]]:
-        """The rows of small .txt / .json / .jsonl files, as Ray Data's ``read_text(drop_empty_lines=True)`` and
-        ``read_json`` give them (blank lines dropped; a key missing from a row is None there)."""
-        rows: list[dict[str, Any]] = []
-        for path in self._files:
-            lines = (line for _, line in _lines(path))
-            if self._kind == "text":
-                rows += [{"text": line.rstrip("\r\n")} for line in lines if line.strip()]
-                continue
-            lines = list(lines)
-            text = "".join(lines)
-            if self._kind == "json" and text.lstrip().startswith("["):
-                rows += json.loads(text)
-            else:
-                rows += [json.loads(line) for line in lines if line.strip()]
+        """The rows of small .txt / .json / .jsonl files as Ray Data's readers give them (a key a row lacks is
+        None): those parsed by the constructor's checks, once (a source unpickled before it opened parses again)."""
+        rows, self._parsed = self._parsed, None
+        if rows is None:
+            rows = [row for path in self._files for row in self._file_rows(path)]
         keys = list(dict.fromkeys(k for row in rows for k in row))
         return [{k: row.get(k) for k in keys} for row in rows]
 

@@ -199,6 +199,7 @@ class VLMPipeline(CausalLMPipeline):
         """The images of ``collate`` (the 3D positions are its ``position_ids``)."""
         return {k: batch[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in batch}
 
+
 def _vision_inputs(visions: list[dict[str, torch.Tensor] | None], device: torch.device) -> dict[str, torch.Tensor]:
     """The rows' images as one model input: ``pixel_values`` and ``image_grid_thw`` concatenated in row order."""
     present = [v for v in visions if v is not None]

@@ -18,7 +18,7 @@ In the same run, on the same bytes (the sizes the sync reported), two yardsticks
     python bench/weight_sync.py --sizes 10M --modes full --replicas 1 --repeats 5 --json-out /tmp/sync.json
     python bench/weight_sync.py --through-driver         # the path without a store, for comparison
 
-Medians over the repeats; see bench/README.md for the figures and what they say.
+Medians over the repeats (``--gap`` seconds apart, as the train steps between two syncs would leave); see bench/README.md for the figures and what they say.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def trainer_for(size: str, mode: str, replicas: int, storage: str):
     return ARTrainer(load_recipe(RECIPE, overrides))
 
 
-def sync_case(size: str, mode: str, replicas: int, repeats: int, through_driver: bool) -> dict[str, float]:
+def sync_case(size: str, mode: str, replicas: int, repeats: int, through_driver: bool, gap: float) -> dict[str, float]:
     """Seconds of each publish (and its export part) and the bytes moved, medians over ``repeats``."""
     from _common import fresh_setup
 
@@ -70,7 +70,10 @@ def sync_case(size: str, mode: str, replicas: int, repeats: int, through_driver:
             if through_driver:  # the path of an engine without a weight store: rank 0 -> driver -> object store
                 trainer.engine.store_id = None
             trainer.publish_weights()  # warm-up: the first publish of a path maps its memory
-            runs = [trainer.publish_weights() for _ in range(repeats)]
+            runs = []
+            for _ in range(repeats):
+                time.sleep(gap)  # a train step between two syncs: the previous version's memory is freed
+                runs.append(trainer.publish_weights())
             status = "FINISHED"
         finally:
             trainer.teardown(status)
@@ -84,7 +87,7 @@ def sync_case(size: str, mode: str, replicas: int, repeats: int, through_driver:
     return out
 
 
-def yardsticks(nbytes: int, repeats: int, readers: int) -> dict[str, float]:
+def yardsticks(nbytes: int, repeats: int, readers: int, gap: float) -> dict[str, float]:
     """Seconds of a ``ray.put`` + a reading ``ray.get`` in ``readers`` other processes at once (one per engine
     replica), and of a memcpy, of ``nbytes``."""
     import numpy as np
@@ -109,10 +112,13 @@ def yardsticks(nbytes: int, repeats: int, readers: int) -> dict[str, float]:
     ray.get([r.read_all.remote(ray.put(arrays)) for r in group], timeout=600)  # warm: the destinations are mapped
     store, store_copy, memcpy = [], [], []
     for _ in range(repeats):
+        time.sleep(gap)
         t0 = time.perf_counter()
         ref = ray.put(arrays)
         assert ray.get([r.read.remote(ref) for r in group], timeout=600) == [nbytes] * readers
         store.append(time.perf_counter() - t0)
+        del ref
+        time.sleep(gap)
         t0 = time.perf_counter()
         ref = ray.put(arrays)
         assert ray.get([r.read_all.remote(ref) for r in group], timeout=600) == [nbytes] * readers
@@ -138,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10M,100M,500M", help="comma-separated, of: " + ", ".join(SIZES))
     parser.add_argument("--modes", default="full,lora", help="full, lora")
     parser.add_argument("--replicas", default="1,2")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gap", type=float, default=0.5,
+                        help="seconds between two measured syncs (and two yardstick puts), as a train step would "
+                             "leave: the object store frees the previous version's memory meanwhile, so the next put "
+                             "reuses it instead of mapping new pages (0: back to back)")
     parser.add_argument("--through-driver", action="store_true",
                         help="the weights come back through the driver, which puts them (the path without a store)")
     parser.add_argument("--json-out")
@@ -157,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         for mode in modes:
             for n in replicas:
-                case = {"size": size, "mode": mode, "replicas": n, **sync_case(size, mode, n, args.repeats, args.through_driver)}
-                case.update(yardsticks(int(case["bytes"]), args.repeats, n))
+                case = {"size": size, "mode": mode, "replicas": n, **sync_case(size, mode, n, args.repeats, args.through_driver, args.gap)}
+                case.update(yardsticks(int(case["bytes"]), args.repeats, n, args.gap))
                 cases.append(case)
                 b = case["bytes"]
                 sync, store = gbps(b, case["seconds"]), gbps(b, case["store_copy_s"])
@@ -170,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{size} {mode} x{n}: {case['seconds']:.3f}s for {b / 1e6:.1f} MB "
                       f"({sync:.2f} GB/s; object store + read {store:.2f} GB/s)", flush=True)
     ray.shutdown()
-    print("\nmedians over", args.repeats, "publishes after a warm-up one (seconds: the whole sync, and on rank 0 "
+    print("\nmedians over", args.repeats, f"publishes after a warm-up one, {args.gap:g} s apart (seconds: the whole sync, and on rank 0 "
           "gathering the weights, their checksum, the put; load: the slowest replica's checksum + copy into its "
           "weights; GB/s of the weights' bytes; 'store+read': ray.put + a ray.get in one other process per replica "
           "that copies every byte into resident memory; 'store': ray.put + a zero-copy ray.get; ratio: sync / store+read)")
     print_table(["size", "mode", "repl", "MB", "sync_s", "gather", "cksum", "put", "load", "sync", "store+read",
                  "store", "memcpy", "ratio"], rows, [5, 5, 4, 8, 7, 7, 7, 7, 7, 6, 10, 6, 6, 5])
-    finish_report({"cases": cases}, load_start, t_all, args.json_out)
+    finish_report({"cases": cases, "gap_s": args.gap}, load_start, t_all, args.json_out)
     return 0
 
 

@@ -28,6 +28,26 @@ def test_checksum_is_content_and_order_sensitive_only_to_content():
     assert state_bytes(a) == 4 * 4 + 4 * 4
 
 
+def test_checksum_covers_every_slice_of_a_large_tensor(monkeypatch):
+    """Tensors longer than one hashed slice: a change in any slice, a swap of two tensors' contents, a
+    reshape and a non-contiguous view each change the checksum; an empty tensor hashes by name and shape."""
+    import unirl_ray.rollout.weight_sync as ws
+
+    monkeypatch.setattr(ws, "_CHUNK_BYTES", 64)  # 16 float32 per slice: a 1000-element tensor has 63 slices
+    base = {"w": torch.arange(1000.0), "v": torch.arange(1000.0).flip(0), "e": torch.empty(0, 3)}
+    digest = state_checksum(base)
+    assert digest == state_checksum({k: t.clone() for k, t in base.items()})
+    for index in (0, 15, 16, 500, 999):  # first slice, a slice's end and start, the middle, the last (short) slice
+        changed = {**base, "w": base["w"].clone()}
+        changed["w"][index] += 1
+        assert state_checksum(changed) != digest, index
+    assert state_checksum({**base, "w": base["v"], "v": base["w"]}) != digest
+    assert state_checksum({**base, "w": base["w"].reshape(10, 100)}) != digest
+    assert state_checksum({**base, "e": torch.empty(3, 0)}) != digest
+    strided = torch.arange(2000.0)[::2]  # hashed as its values, laid out contiguously
+    assert state_checksum({**base, "w": strided}) == state_checksum({**base, "w": strided.contiguous()})
+
+
 def test_sync_every_validated():
     with pytest.raises(ValueError, match="every"):
         TensorWeightSync(every=0)

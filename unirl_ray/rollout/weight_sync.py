@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from unirl_ray.core.wire import wire
 
@@ -27,27 +28,21 @@ _CHUNK_BYTES = 32 << 20
 _hash_pool: Any = None
 
 
-def _chunk_digests(tensor: torch.Tensor) -> list[bytes]:
-    """SHA-256 of each ``_CHUNK_BYTES`` slice of the tensor's bytes, read in place through their address
-    (``_address_view``; no copy of a contiguous CPU tensor)."""
+def _flat_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    if not nbytes:
-        return []
-    data = _address_view(flat)
-    try:
-        return [hashlib.sha256(data[i : i + _CHUNK_BYTES]).digest() for i in range(0, nbytes, _CHUNK_BYTES)]
-    finally:
-        data.release()
-        del flat  # held until the bytes are read
+    return flat, flat.numel() * flat.element_size()
 
 
 def state_checksum(state: dict[str, torch.Tensor]) -> str:
     """Content hash of a state dict (names, dtypes, shapes and bytes), order-independent.
 
-    The bytes are hashed with SHA-256 in slices of 32 MiB, the tensors spread over a small thread pool
-    (hashlib releases the GIL: several GB/s on a few cores; a sync of a large model checks every byte on
-    the train rank and on every replica)."""
+    Every byte is hashed with XXH3-128 in slices of ``_CHUNK_BYTES``, read in place through the tensor's
+    address (``_address_view``: no copy of a contiguous CPU tensor), the slices of all tensors spread over
+    a small thread pool (xxhash releases the GIL; ~30 GB/s per core here, near the memory's own speed,
+    against ~2 GB/s for SHA-256: a sync checks every byte on the train rank and on every replica). The
+    slices' digests, with every tensor's name, dtype and shape, are then hashed with BLAKE2b. A guard
+    against what a transfer can do (a stale, truncated, misplaced or corrupted tensor), not against a
+    forger: the bytes come from this run's own processes."""
     global _hash_pool
     if _hash_pool is None:
         from concurrent.futures import ThreadPoolExecutor
@@ -55,13 +50,25 @@ def state_checksum(state: dict[str, torch.Tensor]) -> str:
         _hash_pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)),
                                         thread_name_prefix="unirl-checksum")
     names = sorted(state)
-    digests = _hash_pool.map(lambda name: _chunk_digests(state[name]), names)
+    flats = [_flat_bytes(state[name]) for name in names]
+    views = [_address_view(flat) if nbytes else None for flat, nbytes in flats]
+    slices = [(i, start) for i, (_, nbytes) in enumerate(flats) for start in range(0, nbytes, _CHUNK_BYTES)]
+    try:
+        digests = list(_hash_pool.map(
+            lambda item: xxhash.xxh3_128_digest(views[item[0]][item[1] : item[1] + _CHUNK_BYTES]), slices))
+    finally:
+        for view in views:
+            if view is not None:
+                view.release()
+        del flats  # held until every slice is read
     digest = hashlib.blake2b(digest_size=16)
-    for name, chunks in zip(names, digests):
-        tensor = state[name]
+    by_tensor: dict[int, list[bytes]] = {}
+    for (i, _), chunk in zip(slices, digests):
+        by_tensor.setdefault(i, []).append(chunk)
+    for i, name in enumerate(names):
+        tensor, chunks = state[name], by_tensor.get(i, [])
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{len(chunks)}|".encode())
-        for chunk in chunks:
-            digest.update(chunk)
+        digest.update(b"".join(chunks))
     return digest.hexdigest()
 
 
@@ -205,13 +212,28 @@ class _BufferTensor:
         return _tensor_from_buffer, (data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
 
-def stage_weights(state: dict[str, torch.Tensor], version: int, checksum: str, store: tuple[str, str]) -> None:
+def stage_weights(state: dict[str, torch.Tensor], version: int, store: tuple[str, str]) -> dict[str, Any]:
     """On train rank 0: put ``state`` in the object store once and stage it in the ``WeightStore`` named
     ``store`` for the driver to publish. This process owns the object (it lives while the store or an
-    engine holds it, and at most as long as this worker: a restarted worker group publishes again)."""
+    engine holds it, and at most as long as this worker: a restarted worker group publishes again).
+
+    The checksum is computed while the object store copies the bytes (both only read them); returns
+    ``{"checksum", "checksum_s", "put_s"}`` (the two phases overlap)."""
     import ray
+    from concurrent.futures import ThreadPoolExecutor
 
     actor = ray.get_actor(store[0], namespace=store[1])
-    # one copy, from the weights into the object store (ray.put returns once it is there: a snapshot)
-    ref = ray.put({name: _BufferTensor(t) for name, t in state.items()})
+
+    def timed_checksum() -> tuple[str, float]:
+        start = time.perf_counter()
+        return state_checksum(state), time.perf_counter() - start
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="unirl-checksum-state") as pool:
+        pending = pool.submit(timed_checksum)
+        # one copy, from the weights into the object store (ray.put returns once it is there: a snapshot)
+        ref = ray.put({name: _BufferTensor(t) for name, t in state.items()})
+        put_s = time.perf_counter() - t0
+        checksum, checksum_s = pending.result()
     ray.get(actor.stage.remote(version, [ref], checksum), timeout=60)
+    return {"checksum": checksum, "checksum_s": checksum_s, "put_s": put_s}

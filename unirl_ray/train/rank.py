@@ -317,14 +317,15 @@ class StackWorker:
         if self.topology.rank != 0:
             return {}
         t1 = time.perf_counter()
-        checksum, version = state_checksum(state), chosen.policy_version
-        t2 = time.perf_counter()
-        timings = {"gather_s": t1 - t0, "checksum_s": t2 - t1}
+        version = chosen.policy_version
         if stage_in is None:
+            checksum = state_checksum(state)
+            timings = {"gather_s": t1 - t0, "checksum_s": time.perf_counter() - t1}
             return {"state": state, "checksum": checksum, "policy_version": version, "timings": timings}
-        stage_weights(state, version, checksum, (stage_in[0], stage_in[1]))
-        timings["put_s"] = time.perf_counter() - t2
-        return {"checksum": checksum, "policy_version": version, "bytes": state_bytes(state), "timings": timings}
+        staged = stage_weights(state, version, (stage_in[0], stage_in[1]))  # the checksum while the put copies
+        timings = {"gather_s": t1 - t0, "checksum_s": staged["checksum_s"], "put_s": staged["put_s"]}
+        return {"checksum": staged["checksum"], "policy_version": version, "bytes": state_bytes(state),
+                "timings": timings}
 
     @operation
     def export(self, directory: str, merge_lora: bool = True, overwrite: bool = False,

@@ -65,9 +65,37 @@ def test_both_libraries_import_concurrently_and_leave_nothing_lazy():
         ts = [threading.Thread(target=go, args=(lib,)) for lib in ("train", "data")]
         [t.start() for t in ts]; [t.join(240) for t in ts]
         assert not errors, errors
-        missing = [m for lib in LIBRARIES.values() for m in lib if m not in sys.modules]
+        missing = [m for lib in ("train", "data") for m in LIBRARIES[lib] if m not in sys.modules]
         assert not missing, missing
         assert "ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator" in sys.modules
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.ray
+@pytest.mark.own_ray
+def test_an_embedded_ray_init_imports_nothing_the_prefetch_thread_could():
+    """``ensure_ray`` imports the ``init`` group, then lets a thread import the driver's next libraries while
+    ``ray.init`` starts the daemons: safe only if ``ray.init`` itself then imports no module of its own (two
+    threads importing the same modules can deadlock, see the module docstring). A fresh interpreter, a real
+    embedded Ray; then the same with the prefetch, which must leave the libraries loaded."""
+    code = textwrap.dedent("""
+        import sys
+        from unirl_ray.runtime.cluster import RayConfig, ensure_ray
+        from unirl_ray.runtime.imports import LIBRARIES, import_ray_library
+        import ray
+        import_ray_library("init")
+        before = set(sys.modules)
+        ensure_ray(RayConfig(local_num_cpus=1))
+        new = sorted(m for m in set(sys.modules) - before if not m.startswith("unirl_ray"))
+        assert not new, f"ray.init imported {new}: add them to LIBRARIES['init']"
+        ray.shutdown()
+        ensure_ray(RayConfig(local_num_cpus=1), prefetch=("train", "mlflow"))
+        missing = [m for lib in ("train", "mlflow") for m in LIBRARIES[lib] if m not in sys.modules]
+        assert not missing, missing
+        ray.shutdown()
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

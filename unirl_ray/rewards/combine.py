@@ -283,6 +283,11 @@ class RewardConfig:
             return self.placement == "local"
         return not any(inspect.isclass(spec.resolve()) for spec in self._specs if spec.name not in self._apps)
 
+    def uses_serve(self) -> bool:
+        """Whether any source runs in a Serve app (its own ``app``, or shared sources not run locally)."""
+        local = self.shared_runs_locally()
+        return any(suffix or not local for suffix, _ in self.placements())
+
     def resources(self) -> dict[str, float]:
         """CPUs / GPUs all reward replicas reserve, summed over the Serve apps (for the cluster-fit check);
         shared sources that run locally reserve nothing."""

@@ -180,8 +180,12 @@ EMBEDDED_RAY_ENV = {
 the processes of the Ray it starts inherit it."""
 
 
-def ensure_ray(cfg: RayConfig) -> str:
-    """Connect to the configured cluster or start an embedded one; returns a description."""
+def ensure_ray(cfg: RayConfig, prefetch: tuple[str, ...] = ()) -> str:
+    """Connect to the configured cluster or start an embedded one; returns a description.
+
+    ``prefetch``: libraries (``runtime.imports.LIBRARIES``) the driver needs next, imported in a thread
+    while an embedded Ray's daemons start (the driver waits ~3 s for them on 2 cores, idle); after
+    ``ray.init`` have first been imported here, so that the two threads never import the same modules."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -204,8 +208,17 @@ def ensure_ray(cfg: RayConfig) -> str:
         os.environ.setdefault(key, value)
     # address="local": a new Ray of this process's own, even where `ray start` left a cluster on this machine
     # (plain ray.init() would join that one, and refuses num_cpus there); ray.address=auto joins it instead
+    loading = None
+    if prefetch:
+        from unirl_ray.runtime.imports import import_ray_library
+        from unirl_ray.runtime.imports import prefetch as prefetch_imports
+
+        import_ray_library("init")
+        loading = prefetch_imports(*prefetch)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=job_runtime_env(cfg),
              log_to_driver=True)
+    if loading is not None:  # the driver's next imports and threads start once these are loaded
+        loading.join(timeout=120)
     return f"embedded local Ray ({num_cpus} logical CPUs)"
 
 

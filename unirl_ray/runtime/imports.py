@@ -24,6 +24,27 @@ import threading
 # (and, through them, the scaling policy and Ray Data's autoscaler); a dataset's first execution (the
 # planner, the optimizer rules and the streaming executor with its autoscaler).
 LIBRARIES: dict[str, tuple[str, ...]] = {
+    # what ``ray.init`` of a local Ray imports on first use (usage stats, the autoscaler's config helpers, the
+    # dashboard's optional dependencies: aiohttp, grpc, opencensus, prometheus_client, pydantic)
+    "init": (
+        "ray._common.usage.usage_lib",
+        "ray._private.runtime_env.uv_runtime_env_hook",
+        "ray._private.thirdparty.pynvml",
+        "ray.autoscaler._private.util",
+        "ray.autoscaler._private.loader",
+        "ray.autoscaler._private.docker",
+        "ray.autoscaler._private.local.config",
+        "ray.autoscaler.v2.utils",
+        "ray.autoscaler.v2.instance_manager.common",
+        "ray.dashboard.optional_deps",
+    ),
+    # the tracker's client and its SQLite store (SQLAlchemy, Alembic's migrations)
+    "mlflow": (
+        "mlflow",
+        "mlflow.tracking",
+        "mlflow.store.tracking.sqlalchemy_store",
+    ),
+    "serve": ("ray.serve",),
     "train": (
         "ray.train",
         "ray.train.torch",
@@ -62,6 +83,29 @@ def import_ray_library(*names: str) -> None:
                 try:
                     importlib.import_module(module)
                 except ImportError:
-                    if "._internal" not in module:
+                    if "._internal" not in module and name != "init":  # ray.init's own: all optional
                         raise
             _DONE.add(name)
+
+
+def prefetch(*names: str) -> threading.Thread | None:
+    """Import the libraries ``names`` (keys of ``LIBRARIES``) in a daemon thread, under the same lock as
+    ``import_ray_library``; the thread to join, or None when all are imported already. A failure is only
+    logged: whoever needs the library imports it again and sees the error there."""
+    import logging
+
+    unknown = [n for n in names if n not in LIBRARIES]
+    if unknown:
+        raise ValueError(f"unknown library {unknown}; known: {sorted(LIBRARIES)}")
+    if _DONE.issuperset(names):
+        return None
+
+    def run() -> None:
+        try:
+            import_ray_library(*names)
+        except Exception as exc:  # noqa: BLE001 - reported where the library is used
+            logging.getLogger(__name__).debug("prefetching %s failed: %s", names, exc)
+
+    thread = threading.Thread(target=run, name="unirl-prefetch-imports", daemon=True)
+    thread.start()
+    return thread

@@ -302,7 +302,8 @@ class BaseTrainer(ABC):
                 + "recipe.yaml in its MLflow run" + ("" if shown else " (UNIRL_PRINT_RECIPE=1 prints it here)"))
         if shown:
             print(f"--- resolved recipe ({self.domain}) ---\n{to_yaml(self.recipe)}---", flush=True)
-        log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg), sys.executable)
+        log.info("running on %s (driver python: %s)", ensure_ray(self.ray_cfg, prefetch=self.driver_libraries()),
+                 sys.executable)
         self.startup.mark("ray")
         check_cluster_fits(self.ray_cfg, self.extra_resources())
         # one live job per run name (its apps, store, folder); the lock actor is also the workers' command broker
@@ -403,6 +404,11 @@ class BaseTrainer(ABC):
 
     def start_services(self) -> None:
         """Deploy Serve apps (rewards, engines) before the workers start."""
+
+    def driver_libraries(self) -> tuple[str, ...]:
+        """The libraries (``runtime.imports.LIBRARIES``) this driver imports during ``setup()`` after Ray is up:
+        loaded while an embedded Ray starts. Every trainer starts Ray Train workers and tracks with MLflow."""
+        return ("train", "mlflow")
 
     def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:
         """What every train rank builds its rank object from: the ``worker_sections`` of the recipe (a

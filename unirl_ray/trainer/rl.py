@@ -166,6 +166,11 @@ class RLTrainer(BaseTrainer):
         return need
 
     # -------------------------------------------------------------- services
+    def driver_libraries(self) -> tuple[str, ...]:
+        engines = self.dedicated is not None or bool(getattr(self, "engine_cfgs", None))  # (PE, unified: per side)
+        serve = engines or self.reward_cfg.uses_serve()
+        return (*super().driver_libraries(), *(("serve",) if serve else ()))
+
     def start_services(self) -> None:
         """Deploy the reward app(s) and a dedicated engine. Both build while the train workers start
         (``start_workers`` waits for them); only a colocated engine deploys (and sleeps) first, so

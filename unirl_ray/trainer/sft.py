@@ -123,6 +123,9 @@ class SFTTrainer(BaseTrainer):
     def worker_datasets(self) -> dict[str, Any]:
         return self.data.datasets()
 
+    def driver_libraries(self) -> tuple[str, ...]:
+        return (*super().driver_libraries(), "data")  # the records reach the ranks as Ray Data shards
+
     def start_workers(self) -> dict[str, Any]:
         """Start the ranks, then their feeds at the restored data cursor (the start of the data when new)."""
         announced = super().start_workers()

@@ -56,6 +56,45 @@ def test_record_sources_read_jsonl_and_parquet_and_hold_out_a_fraction(ray_local
     assert all(parse_record(r, json_line=False)["completion"] == "c" + r["prompt"][1:] for r in rows)
 
 
+def test_small_jsonl_files_are_read_on_the_driver_into_the_rows_and_blocks_ray_data_reads(ray_local, tmp_path,
+                                                                                         monkeypatch):
+    """Local .jsonl files of at most ``DRIVER_READ_BYTES`` become in-memory datasets (no read task when the
+    ranks first iterate): the same rows, in the same order and blocks (one per file: the ranks' split
+    depends on them), with and without a held-out fraction; ``DRIVER_READ_BYTES = -1`` forces Ray Data."""
+    import ray.data
+
+    import unirl_ray.data.records as records_module
+    from unirl_ray.data.records import RecordSource
+
+    folder = tmp_path / "lines"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(b'{"text": "a"}\r\n\n  \n{"text": "b \\u00e9"}\n{"text": "\xc3\xa9t\xc3\xa9"}\n')
+    (folder / "b.jsonl").write_bytes(b"".join(b'{"text": "%d"}\n' % i for i in range(7)) + b'{"text": "last"}')
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a small local file went through Ray Data's reader")
+
+    def blocks(ds):
+        return [m.num_rows for bundle in ds.iter_internal_ref_bundles() for m in bundle.metadata if m.num_rows]
+
+    for options in ({"shuffle": False}, {"eval_fraction": 0.4, "seed": 1}):
+        source = RecordSource(path=str(folder), **options)
+        with monkeypatch.context() as patch:
+            patch.setattr(ray.data, "read_text", refuse)
+            on_driver = {name: ds.materialize() for name, ds in source.datasets().items()}
+        with monkeypatch.context() as patch:
+            patch.setattr(records_module, "DRIVER_READ_BYTES", -1)
+            by_ray_data = {name: ds.materialize() for name, ds in source.datasets().items()}
+        assert set(on_driver) == set(by_ray_data) == ({"train", "eval"} if "eval_fraction" in options else {"train"})
+        for name, ds in by_ray_data.items():
+            assert on_driver[name].take_all() == ds.take_all(), (options, name)
+            assert blocks(on_driver[name]) == blocks(ds), (options, name)
+        if "eval_fraction" not in options:
+            assert blocks(on_driver["train"]) == [3, 8]  # one block per file, in the files' order
+        rows = [r for ds in on_driver.values() for r in ds.take_all()]
+        assert len(rows) == 11 and {r["path"] for r in rows} == {str(folder / "a.jsonl"), str(folder / "b.jsonl")}
+
+
 BAD_LINES = [
     "{not json",
     json.dumps({"prompt": "no messages"}),

@@ -1,11 +1,12 @@
 """``RecordSource``: the ``data:`` section of an SFT recipe, streamed by Ray Data into the train workers.
 
 On the driver it checks, before any worker starts, that every path exists and holds records of
-the expected format (the first record of the first file is read), and builds lazy Ray Data
-datasets (``datasets()``) that ``TorchTrainer(datasets=...)`` splits over the train ranks: nothing
-is read into the driver. JSON lines are read as text lines (``read_text``) and parsed on the ranks,
-so one malformed line is one bad record rather than an unreadable file; parquet rows are read as
-they are. Any path Ray Data reads works: a local file or folder, or a URI (``s3://``, ``gs://``...).
+the expected format (the first record of the first file is read), and builds the Ray Data datasets
+(``datasets()``) that ``TorchTrainer(datasets=...)`` splits over the train ranks: lazy reads, except
+local .jsonl files of at most ``DRIVER_READ_BYTES`` in all, which the driver reads into the same rows
+and blocks (a read task is a new worker process on the first step's path). JSON lines are read as
+text lines (``read_text``) and parsed on the ranks, so one malformed line is one bad record rather
+than an unreadable file; parquet rows are read as they are. Any path Ray Data reads works: a local file or folder, or a URI (``s3://``, ``gs://``...).
 
 On the ranks the same object (shipped in the ``sft_start`` command, not rebuilt) says how records
 become examples (``builder``). Epochs, shuffling and the resumable cursor are ``ShardStream``'s.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unirl_ray.config.checks import check_literal_fields
+from unirl_ray.data.prompts import DRIVER_READ_BYTES
 from unirl_ray.data.sft_examples import ImageExampleBuilder, TextExampleBuilder
 from unirl_ray.runtime.imports import import_ray_library
 
@@ -153,21 +155,33 @@ class RecordSource:
         return next(f"{key}_field" for key, value in self._fields().items() if value == name)
 
     def datasets(self) -> dict[str, Any]:
-        """Lazy Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data)."""
-        train = self._read(self.files)
+        """Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data).
+
+        Local .jsonl files of at most ``DRIVER_READ_BYTES`` in all are read here, on the driver, into
+        in-memory datasets of the same rows and blocks (one per file) that ``read_text`` gives, so that the
+        ranks' first iteration starts no read task (a new worker process); larger files and URIs are
+        read lazily by Ray Data's tasks."""
         if self.eval_files:
-            return {"train": train, "eval": self._read(self.eval_files)}
+            return {"train": self._read(self.files), "eval": self._read(self.eval_files)}
         if self.eval_fraction > 0:
             fraction, seed = self.eval_fraction, self.seed
             held = lambda row: _in_eval(row, fraction, seed)  # noqa: E731
-            return {
-                "train": train.filter(lambda row: not held(row), num_cpus=READ_NUM_CPUS),
-                "eval": train.filter(held, num_cpus=READ_NUM_CPUS),
-            }
-        return {"train": train}
+            return {"train": self._read(self.files, lambda row: not held(row)), "eval": self._read(self.files, held)}
+        return {"train": self._read(self.files)}
 
-    def _read(self, files: list[str]) -> Any:
+    def _read(self, files: list[str], keep: Any = None) -> Any:
+        """The records of ``files`` (those ``keep(row)`` is true for, where given) as a dataset."""
         import_ray_library("data")
+        import ray.data
+
+        if self.file_kind == "jsonl" and _local_total_bytes(files) <= DRIVER_READ_BYTES:
+            ds = _read_lines_on_driver(files, keep)
+            if ds is not None:
+                return ds
+        ds = self._read_with_ray_data(files)
+        return ds if keep is None else ds.filter(keep, num_cpus=READ_NUM_CPUS)
+
+    def _read_with_ray_data(self, files: list[str]) -> Any:
         import ray.data
 
         uris = [_ray_uri(f) for f in files]
@@ -200,6 +214,36 @@ class RecordSource:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _local_total_bytes(files: list[str]) -> float:
+    """The files' total size; infinite when one is a URI (read by Ray Data wherever it is)."""
+    if any("://" in f for f in files):
+        return float("inf")
+    return float(sum(os.path.getsize(f) for f in files))
+
+
+def _read_lines_on_driver(files: list[str], keep: Any) -> Any:
+    """What ``read_text(files, drop_empty_lines=True, include_paths=True, override_num_blocks=len(files))``
+    gives, read here: one block per file (in order) of ``{"text": line, "path": file}`` rows, the lines split
+    as Ray Data's text reader splits them (``str.splitlines`` of the UTF-8 text; blank ones dropped).
+    None when no file has a row left (``read_text`` then says what is wrong)."""
+    import ray.data
+
+    parts = []
+    for path in files:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8").splitlines()
+        rows = [{"text": line, "path": path} for line in lines if line.strip() != ""]
+        if keep is not None:
+            rows = [row for row in rows if keep(row)]
+        if rows:
+            parts.append(ray.data.from_items(rows, override_num_blocks=1))
+    if not parts:
+        return None
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    ds.context.enable_progress_bars = False
+    return ds
+
+
 def _filesystem(path: str) -> tuple[Any, str, str]:
     """(pyarrow filesystem, path inside it, URI prefix to rebuild a full path) of a local path or URI."""
     import pyarrow.fs

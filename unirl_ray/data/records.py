@@ -6,7 +6,8 @@ the expected format (the first record of the first file is read), and builds the
 local .jsonl files of at most ``DRIVER_READ_BYTES`` in all, which the driver reads into the same rows
 and blocks (a read task is a new worker process on the first step's path). JSON lines are read as
 text lines (``read_text``) and parsed on the ranks, so one malformed line is one bad record rather
-than an unreadable file; parquet rows are read as they are. Any path Ray Data reads works: a local file or folder, or a URI (``s3://``, ``gs://``...).
+than an unreadable file; parquet rows are read as they are. Any path Ray Data reads works: a local
+file or folder, or a URI (``s3://``, ``gs://``...).
 
 On the ranks the same object (shipped in the ``sft_start`` command, not rebuilt) says how records
 become examples (``builder``). Epochs, shuffling and the resumable cursor are ``ShardStream``'s.

@@ -184,8 +184,9 @@ def ensure_ray(cfg: RayConfig, prefetch: tuple[str, ...] = ()) -> str:
     """Connect to the configured cluster or start an embedded one; returns a description.
 
     ``prefetch``: libraries (``runtime.imports.LIBRARIES``) the driver needs next, imported in a thread
-    while an embedded Ray's daemons start (the driver waits ~3 s for them on 2 cores, idle); after
-    ``ray.init`` have first been imported here, so that the two threads never import the same modules."""
+    while an embedded Ray's daemons start (the driver waits ~3 s for them on 2 cores, idle). What
+    ``ray.init`` itself imports on first use is imported here before, so that the two threads never
+    import the same modules; the thread is joined before this returns."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

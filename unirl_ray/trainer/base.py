@@ -407,8 +407,8 @@ class BaseTrainer(ABC):
 
     def driver_libraries(self) -> tuple[str, ...]:
         """The libraries (``runtime.imports.LIBRARIES``) this driver imports during ``setup()`` after Ray is up:
-        loaded while an embedded Ray starts. Every trainer starts Ray Train workers and tracks with MLflow."""
-        return ("train", "mlflow")
+        loaded while an embedded Ray starts. Every trainer starts Ray Train workers; most track with MLflow."""
+        return ("train", *(("mlflow",) if self.tracker.config.enabled else ()))
 
     def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:
         """What every train rank builds its rank object from: the ``worker_sections`` of the recipe (a

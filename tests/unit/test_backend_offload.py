@@ -98,6 +98,28 @@ def test_exported_weights_are_a_snapshot_that_leaves_offload_possible():
     assert packed.keys() == state.keys()
 
 
+def test_an_unwrapped_module_exports_what_dcp_would_without_dcp():
+    """One unwrapped rank hands out its trainable parameters by name: the same names and values as DCP's
+    full state dict (LoRA adapters only, frozen base weights left out), a snapshot unless asked not to be."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from unirl_ray.train.configs import LoraConfig
+
+    backend = make_backend(lora_cfg=LoraConfig(rank=2, alpha=2, target_modules=["to_q"]))
+    train(backend, 1)
+    assert backend._wrapped is False
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    trainable = {n for n, p in backend.module.named_parameters() if p.requires_grad}
+    reference = {k: v for k, v in get_model_state_dict(backend.module, options=options).items() if k in trainable}
+    state = backend.full_trainable_state_dict()
+    assert sorted(state) == sorted(reference) and state and all("lora_" in k for k in state)
+    assert all(torch.equal(state[k], reference[k]) for k in state)
+    live = {p.untyped_storage().data_ptr() for p in backend.module.parameters()}
+    assert not any(t.untyped_storage().data_ptr() in live for t in state.values())  # copies
+    in_place = backend.full_trainable_state_dict(snapshot=False)
+    assert all(t.untyped_storage().data_ptr() in live for t in in_place.values())  # the parameters themselves
+
+
 def _offload_rank():
     return _offload_roundtrip(ema_full_cfg=EmaFullConfig(target_decay=0.9))
 

@@ -85,8 +85,12 @@ def ray_local(request):
     """A local Ray (num_cpus=8) for the whole test module; yields the ``ray`` module."""
     import ray
 
-    # a Ray of this process even while another module's head (`ray start`, a simulated cluster) runs beside it
-    ray.init(address="local", num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
+    # a Ray of this process even while another module's head (`ray start`, a simulated cluster) runs beside it,
+    # started as an embedded one is: its processes inherit the variables the train workers need (no runtime env)
+    if not ray.is_initialized():
+        from unirl_ray.runtime.cluster import runtime_env_vars, start_local_ray
+
+        start_local_ray(8, runtime_env_vars())
     failed_before = request.session.testsfailed
     try:
         yield ray

@@ -64,3 +64,46 @@ def test_a_running_ray_without_the_recipes_runtime_env_is_named():
     assert _session_lacks(wanted, {"env_vars": {"A": "1"}}) == ["py_modules", "env_vars.B"]
     assert _session_lacks(wanted, {"py_modules": ["gcs://_ray_pkg_x.zip"], "env_vars": {"A": "1", "B": "2"}}) == []
     assert _session_lacks(None, {}) == [] and _session_lacks({"env_vars": {"A": "1"}}, {"env_vars": {"A": "0"}}) == ["env_vars.A"]
+
+
+@pytest.mark.ray
+@pytest.mark.own_ray
+def test_an_embedded_ray_passes_its_variables_by_inheritance_not_a_runtime_env():
+    """A real embedded Ray (a fresh interpreter): an env_vars-only runtime env is inherited by every process
+    (no per-worker runtime env, whose setup process slows every actor's start), the driver's environment is
+    left as it was, the train workers need no runtime env of their own, the same recipe joins the running Ray
+    and another value is refused; a variable Ray itself reads (``RAY_*``) still travels as a runtime env."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, ray
+        from unirl_ray.runtime.cluster import RayConfig, ensure_ray, inherited_env_vars, runtime_env_vars, worker_env_vars
+
+        @ray.remote(num_cpus=0)
+        def probe(name):
+            return os.environ.get(name), os.environ.get("TOKENIZERS_PARALLELISM")
+
+        cfg = RayConfig(local_num_cpus=1, runtime_env={"env_vars": {"UNIRL_MARK": "7"}})
+        assert ensure_ray(cfg).startswith("embedded")
+        assert "UNIRL_MARK" not in os.environ
+        assert not dict(ray.get_runtime_context().runtime_env or {}).get("env_vars")
+        assert ray.get(probe.remote("UNIRL_MARK"), timeout=120) == ("7", "false")
+        assert worker_env_vars() is None and inherited_env_vars()["UNIRL_MARK"] == "7"
+        assert ensure_ray(cfg) == "existing Ray session"
+        try:
+            ensure_ray(RayConfig(runtime_env={"env_vars": {"UNIRL_MARK": "8"}}))
+            raise SystemExit("a different value was not refused")
+        except ValueError as exc:
+            assert "env_vars.UNIRL_MARK" in str(exc), exc
+        ray.shutdown()
+        assert inherited_env_vars() == {}
+        ensure_ray(RayConfig(local_num_cpus=1, runtime_env={"env_vars": {"RAY_UNIRL_MARK": "1"}}))
+        assert ray.get(probe.remote("RAY_UNIRL_MARK"), timeout=120) == ("1", "false")
+        assert worker_env_vars() == runtime_env_vars() and runtime_env_vars()["TOKENIZERS_PARALLELISM"] == "false"
+        ray.shutdown()
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENIZERS_PARALLELISM", "RAY_ADDRESS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

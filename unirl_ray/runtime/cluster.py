@@ -180,6 +180,57 @@ EMBEDDED_RAY_ENV = {
 the processes of the Ray it starts inherit it."""
 
 
+_NOT_INHERITED = ("RAY_", "CUDA_", "HIP_", "ROCR_")
+"""Variables an embedded Ray's daemons must not inherit (Ray's own settings, accelerator visibility, which
+``ray.init`` reads to count GPUs): a recipe that sets one passes its variables as a runtime env instead."""
+_inherited: tuple[str, dict[str, str]] | None = None
+"""``(node id, variables)`` of the local Ray ``start_local_ray`` started: every process of it inherits them."""
+
+
+def start_local_ray(num_cpus: int, env_vars: Mapping[str, str], **init_kwargs: Any) -> None:
+    """Start a new local Ray (``ray.init(address="local")``) whose daemons, and so every worker process,
+    inherit ``env_vars``, instead of a runtime env that carries them: a worker with a runtime env of its own
+    is started through Ray's setup process (a second interpreter) and cannot reuse the idle workers Ray
+    starts ahead (an actor's start: 0.7-0.9 s against 0.1-0.5 s on 2 cores). The variables are in this
+    process's environment only while ``ray.init`` starts the daemons."""
+    import ray
+
+    global _inherited
+    saved = {k: os.environ.get(k) for k in env_vars}
+    os.environ.update(env_vars)
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    _inherited = (ray.get_runtime_context().get_node_id(), dict(env_vars))
+
+
+def inherited_env_vars() -> dict[str, str]:
+    """The variables every process of the running Ray inherited from its start (``start_local_ray`` in this
+    process), else ``{}``."""
+    import ray
+
+    if _inherited is None or not ray.is_initialized():
+        return {}
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - a driver without a node of its own: nothing is known to be inherited
+        return {}
+    return dict(_inherited[1]) if node == _inherited[0] else {}
+
+
+def worker_env_vars() -> dict[str, str] | None:
+    """``runtime_env_vars()`` less what every process of this Ray already inherited (None when nothing is
+    left: the processes then start without a runtime env of their own)."""
+    inherited = inherited_env_vars()
+    missing = {k: v for k, v in runtime_env_vars().items() if inherited.get(k) != v}
+    return missing or None
+
+
 def ensure_ray(cfg: RayConfig, prefetch: tuple[str, ...] = ()) -> str:
     """Connect to the configured cluster or start an embedded one; returns a description.
 
@@ -191,7 +242,9 @@ def ensure_ray(cfg: RayConfig, prefetch: tuple[str, ...] = ()) -> str:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
-        lacks = _session_lacks(cfg.runtime_env, dict(ray.get_runtime_context().runtime_env or {}))
+        session = dict(ray.get_runtime_context().runtime_env or {})
+        session["env_vars"] = {**inherited_env_vars(), **(session.get("env_vars") or {})}
+        lacks = _session_lacks(cfg.runtime_env, session)
         if lacks:
             raise ValueError(f"Ray is already running in this process without ray.runtime_env's {lacks}: its train "
                              "workers, Serve replicas and Ray Data tasks would run without them. Start Ray with "
@@ -216,8 +269,13 @@ def ensure_ray(cfg: RayConfig, prefetch: tuple[str, ...] = ()) -> str:
 
         import_ray_library("init")
         loading = prefetch_imports(*prefetch)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=job_runtime_env(cfg),
-             log_to_driver=True)
+    env = job_runtime_env(cfg)
+    variables = env.get("env_vars") or {}
+    if set(env) <= {"env_vars"} and not any(k.startswith(_NOT_INHERITED) or k.endswith("_VISIBLE_DEVICES")
+                                           for k in variables):
+        start_local_ray(num_cpus, variables, log_to_driver=True)  # no runtime env: workers start quicker
+    else:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     if loading is not None:  # the driver's next imports and threads start once these are loaded
         loading.join(timeout=120)
     return f"embedded local Ray ({num_cpus} logical CPUs)"

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from unirl_ray.runtime.broker import CommandBroker, pack, unpack
-from unirl_ray.runtime.cluster import RayConfig, on_driver_node, runtime_env_vars
+from unirl_ray.runtime.cluster import RayConfig, on_driver_node, worker_env_vars
 from unirl_ray.runtime.imports import import_ray_library
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class TrainGroup:
                 storage_path=self.storage_path,
                 failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
-                worker_runtime_env={"env_vars": runtime_env_vars()},
+                worker_runtime_env=_worker_runtime_env(),
             ),
         )
 
@@ -289,3 +289,11 @@ def _torch_trainer_class(*, with_datasets: bool = True) -> type:
             return [c for c in super()._create_default_callbacks() if not isinstance(c, drop)]
 
     return Trainer
+
+
+def _worker_runtime_env() -> dict[str, Any] | None:
+    """The train workers' runtime env: the variables passed through from the driver (``runtime_env_vars``)
+    that the Ray's processes did not all inherit at its start (``cluster.start_local_ray``); None when they
+    did, so the workers start without a runtime env of their own (quicker: no setup process)."""
+    missing = worker_env_vars()
+    return {"env_vars": missing} if missing else None

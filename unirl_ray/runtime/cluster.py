@@ -206,7 +206,10 @@ def start_local_ray(num_cpus: int, env_vars: Mapping[str, str], **init_kwargs: A
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    _inherited = (ray.get_runtime_context().get_node_id(), dict(env_vars))
+    try:
+        _inherited = (ray.get_runtime_context().get_node_id(), dict(env_vars))
+    except RuntimeError:  # no node to tie them to (ray.init did not connect): nothing counts as inherited
+        _inherited = None
 
 
 def inherited_env_vars() -> dict[str, str]:

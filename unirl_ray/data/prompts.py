@@ -41,6 +41,14 @@ READ_TIMEOUT_S = 600.0
 """Longest wait for a background read of the prompts (``PromptSource.prefetch``)."""
 
 
+def fits_on_driver(files: list[str], limit: int | None = None) -> bool:
+    """Whether ``files`` are local and hold at most ``limit`` (``DRIVER_READ_BYTES``) bytes in all: the driver
+    reads them itself (a URI is read by Ray Data wherever it is)."""
+    if any("://" in f for f in files):
+        return False
+    return sum(os.path.getsize(f) for f in files) <= (DRIVER_READ_BYTES if limit is None else limit)
+
+
 class PromptPathError(FileNotFoundError, ValueError):
     """The prompt path does not exist (catch it as ValueError or FileNotFoundError)."""
 
@@ -199,7 +207,7 @@ class PromptSource:
         if self._kind == "text" and self.columns:
             raise ValueError(f"a .txt prompt file has no columns; drop columns={self.columns}")
         if self._kind != "parquet":
-            small = sum(os.path.getsize(p) for p in self._files) <= DRIVER_READ_BYTES
+            small = fits_on_driver(self._files)
             rows = []
             for path in self._files:
                 checked = self._file_rows(path)
@@ -277,7 +285,7 @@ class PromptSource:
     def _read_rows(self) -> list[dict[str, Any]]:
         if self._kind == "parquet":
             return self._read_parquet_on_driver()
-        if self._parsed is not None or sum(os.path.getsize(p) for p in self._files) <= DRIVER_READ_BYTES:
+        if self._parsed is not None or fits_on_driver(self._files):
             return self._read_on_driver()
         import_ray_library("data")  # not concurrently with the fit thread's import of Ray Train
         import ray.data

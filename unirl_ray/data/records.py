@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unirl_ray.config.checks import check_literal_fields
-from unirl_ray.data.prompts import DRIVER_READ_BYTES
+from unirl_ray.data.prompts import DRIVER_READ_BYTES, fits_on_driver
 from unirl_ray.data.sft_examples import ImageExampleBuilder, TextExampleBuilder
 from unirl_ray.runtime.imports import import_ray_library
 
@@ -162,25 +162,53 @@ class RecordSource:
         in-memory datasets of the same rows and blocks (one per file) that ``read_text`` gives, so that the
         ranks' first iteration starts no read task (a new worker process); larger files and URIs are
         read lazily by Ray Data's tasks."""
+        import_ray_library("data")
         if self.eval_files:
             return {"train": self._read(self.files), "eval": self._read(self.eval_files)}
         if self.eval_fraction > 0:
             fraction, seed = self.eval_fraction, self.seed
             held = lambda row: _in_eval(row, fraction, seed)  # noqa: E731
-            return {"train": self._read(self.files, lambda row: not held(row)), "eval": self._read(self.files, held)}
+            per_file = self._rows_on_driver(self.files)
+            if per_file is not None:  # read once, each row's side decided once
+                sides: tuple[list[list[dict[str, Any]]], list[list[dict[str, Any]]]] = ([], [])
+                for rows in per_file:
+                    split: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+                    for row in rows:
+                        split[held(row)].append(row)
+                    sides[0].append(split[0])
+                    sides[1].append(split[1])
+                train, held_out = _in_memory(sides[0]), _in_memory(sides[1])
+                if train is not None and held_out is not None:
+                    return {"train": train, "eval": held_out}
+            ds = self._read_with_ray_data(self.files)
+            return {"train": ds.filter(lambda row: not held(row), num_cpus=READ_NUM_CPUS),
+                    "eval": ds.filter(held, num_cpus=READ_NUM_CPUS)}
         return {"train": self._read(self.files)}
 
-    def _read(self, files: list[str], keep: Any = None) -> Any:
-        """The records of ``files`` (those ``keep(row)`` is true for, where given) as a dataset."""
-        import_ray_library("data")
-        import ray.data
+    def _read(self, files: list[str]) -> Any:
+        """The records of ``files`` as a dataset: in memory where the driver reads them, else Ray Data's."""
+        per_file = self._rows_on_driver(files)
+        ds = _in_memory(per_file) if per_file is not None else None
+        return ds if ds is not None else self._read_with_ray_data(files)
 
-        if self.file_kind == "jsonl" and _local_total_bytes(files) <= DRIVER_READ_BYTES:
-            ds = _read_lines_on_driver(files, keep)
-            if ds is not None:
-                return ds
-        ds = self._read_with_ray_data(files)
-        return ds if keep is None else ds.filter(keep, num_cpus=READ_NUM_CPUS)
+    def _rows_on_driver(self, files: list[str]) -> list[list[dict[str, Any]]] | None:
+        """Each file's rows as ``read_text(drop_empty_lines=True, include_paths=True)`` gives them
+        (``{"text": line, "path": file}``, the lines split as its text reader splits them: ``str.splitlines`` of
+        the UTF-8 text, blank ones dropped), for local .jsonl files of at most ``DRIVER_READ_BYTES`` in all;
+        None for the others (Ray Data reads them)."""
+        if self.file_kind != "jsonl" or not fits_on_driver(files, DRIVER_READ_BYTES):
+            return None
+        per_file = []
+        for path in files:
+            with open(path, "rb") as f:
+                data = f.read()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"record file {path} is not UTF-8 text (byte {exc.start} cannot be decoded); "
+                                 "save it as UTF-8") from None
+            per_file.append([{"text": line, "path": path} for line in text.splitlines() if line.strip() != ""])
+        return per_file
 
     def _read_with_ray_data(self, files: list[str]) -> Any:
         import ray.data
@@ -215,32 +243,16 @@ class RecordSource:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _local_total_bytes(files: list[str]) -> float:
-    """The files' total size; infinite when one is a URI (read by Ray Data wherever it is)."""
-    if any("://" in f for f in files):
-        return float("inf")
-    return float(sum(os.path.getsize(f) for f in files))
-
-
-def _read_lines_on_driver(files: list[str], keep: Any) -> Any:
-    """What ``read_text(files, drop_empty_lines=True, include_paths=True, override_num_blocks=len(files))``
-    gives, read here: one block per file (in order) of ``{"text": line, "path": file}`` rows, the lines split
-    as Ray Data's text reader splits them (``str.splitlines`` of the UTF-8 text; blank ones dropped).
-    None when no file has a row left (``read_text`` then says what is wrong)."""
+def _in_memory(per_file: list[list[dict[str, Any]]]) -> Any:
+    """An in-memory dataset of one block per file that has rows, in order (the blocks
+    ``read_text(..., override_num_blocks=len(files))`` makes); None when no file has a row (Ray Data's reader
+    then says what is wrong)."""
     import ray.data
 
-    parts = []
-    for path in files:
-        with open(path, "rb") as f:
-            lines = f.read().decode("utf-8").splitlines()
-        rows = [{"text": line, "path": path} for line in lines if line.strip() != ""]
-        if keep is not None:
-            rows = [row for row in rows if keep(row)]
-        if rows:
-            parts.append(ray.data.from_items(rows, override_num_blocks=1))
-    if not parts:
+    blocks = [ray.data.from_items(rows, override_num_blocks=1) for rows in per_file if rows]
+    if not blocks:
         return None
-    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    ds = blocks[0].union(*blocks[1:]) if len(blocks) > 1 else blocks[0]
     ds.context.enable_progress_bars = False
     return ds
 

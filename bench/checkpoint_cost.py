@@ -6,17 +6,20 @@ hits every side alike:
 
   none    no checkpoint in the measured steps;
   async   a checkpoint every ``--every`` steps, ``ray.async_checkpoint=true`` (the default): the save returns
-          once the rank has written its shards locally (and the previous checkpoint is committed); Ray
-          Train uploads and commits it in the background;
+          once the rank has copied its shards to memory (and the previous checkpoint is committed); a
+          thread writes them locally, and Ray Train uploads and commits the folder in the background;
   sync    a checkpoint every ``--every`` steps, ``ray.async_checkpoint=false``: every save waits for its commit.
 
 Per side: the median wall seconds per step (the step, its MLflow logging and its checkpoint, as ``fit``
-runs them), its ratio to ``none``, and the medians of the save's phases (``write``: the DCP shards and the
-controller state to a local folder; ``report``: Ray Train's report; ``commit``: waiting for Ray Train to list
-it as committed, sync only).
+runs them), its ratio to ``none``, and the medians of the save's phases as the step saw them (``write``: the
+DCP shards and the controller state to a local folder, for async the copy to memory only; ``report``: Ray
+Train's report, async: in the background; ``commit``: waiting for Ray Train to list it as committed, for
+async the previous checkpoint's).
 
     python bench/checkpoint_cost.py                       # every step; 3 blocks of 5 steps per side, after 2 warm-up
     python bench/checkpoint_cost.py --every 10 --block-steps 10 --json-out /tmp/ckpt.json
+    python bench/checkpoint_cost.py --every 5 --block-steps 5 '+bundle.config.tiny={_target_: unirl_ray.models.causal_lm.TinyLMConfig, hidden_size: 512, num_layers: 8,
+        num_attention_heads: 8, intermediate_size: 2048}'   # a ~27M-parameter model: 0.3 GB of state per checkpoint
 
 See bench/README.md for the figures and what they say.
 """
@@ -36,7 +39,7 @@ RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "ar" / "tiny" 
 SIDES = {"none": None, "async": True, "sync": False}
 
 
-def runner(side: str, steps: int, storage: str, every: int) -> DrivenTrainer:
+def runner(side: str, steps: int, storage: str, every: int, extra: list[str]) -> DrivenTrainer:
     from unirl_ray.config.recipe import load_recipe
     from unirl_ray.trainer.ar import ARTrainer
 
@@ -44,7 +47,7 @@ def runner(side: str, steps: int, storage: str, every: int) -> DrivenTrainer:
     overrides = [f"trainer.storage_path={storage}", f"trainer.run_name=ckpt-{side}", f"trainer.num_steps={steps}",
                  f"trainer.checkpoint_every={every if asynchronous is not None else 100_000}",
                  "tracking.log_samples_every=0", "tracking.experiment_name=bench-checkpoint",
-                 "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2"]
+                 "ray.scaling.num_workers=1", "ray.scaling.resources_per_worker.CPU=2", *extra]
     if asynchronous is not None:
         overrides.append(f"++ray.async_checkpoint={str(asynchronous).lower()}")
 
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--every", type=int, default=1, help="trainer.checkpoint_every of the async and sync sides")
     parser.add_argument("--json-out")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every side (key=value), e.g. a bigger model")
     args = parser.parse_args(argv)
     offline_env()
     load_start, t_all = loadavg_1min(), time.perf_counter()
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as storage:
         try:
             for side in SIDES:
-                runners[side] = runner(side, steps, storage, args.every)
+                runners[side] = runner(side, steps, storage, args.every, args.overrides)
                 runners[side].setup()
             plan = Interleave(SIDES)
             for side, run in runners.items():

@@ -1,9 +1,11 @@
 """save()/load(): an exact resume (weights, optimizer, EMA shadows, per-rank RNG, schedule) on
-2 gloo ranks, and a 2-rank checkpoint continued on 1 rank (DCP resharding)."""
+2 gloo ranks, also from a save_async whose ranks train on while it writes, and a 2-rank checkpoint
+continued on 1 rank (DCP resharding)."""
 
 import json
 import logging
 
+import pytest
 import torch
 
 from _dist import backward, full, full_params, make_backend, rank_world, run_ranks
@@ -44,7 +46,7 @@ def _state(backend):
     return out
 
 
-def _exact_resume_rank(directory):
+def _exact_resume_rank(directory, asynchronous=False):
     rank, _ = rank_world()
     straight = make_backend(**_configs())
     torch.manual_seed(100 + rank)  # distinct per-rank RNG streams: each rank must get its own back
@@ -53,8 +55,16 @@ def _exact_resume_rank(directory):
     first = make_backend(**_configs())
     torch.manual_seed(100 + rank)
     _run(first, 0, K, noise=True)
-    meta = json.loads(json.dumps(first.save(directory)))  # the meta travels as JSON
-    rng_at_save = torch.get_rng_state()
+    if asynchronous:  # the shards are copied when save_async returns: training on at once changes nothing saved
+        meta, future = first.save_async(directory)
+        rng_at_save = torch.get_rng_state()
+        _run(first, K, N + 2, noise=True)
+        future.result(timeout=120)
+        torch.set_rng_state(rng_at_save)
+    else:
+        meta = first.save(directory)
+        rng_at_save = torch.get_rng_state()
+    meta = json.loads(json.dumps(meta))  # the meta travels as JSON
     del first
 
     resumed = make_backend(**_configs())  # setup reseeds: the RNG differs until load
@@ -69,8 +79,9 @@ def _exact_resume_rank(directory):
             "rng_restored": rng_restored, "n_compared": len(a)}
 
 
-def test_exact_resume_two_ranks_is_bit_identical(tmp_path):
-    for result in run_ranks(_exact_resume_rank, str(tmp_path / "ck")):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "save_async"])
+def test_exact_resume_two_ranks_is_bit_identical(tmp_path, asynchronous):
+    for result in run_ranks(_exact_resume_rank, str(tmp_path / "ck"), asynchronous):
         assert result["keys_equal"] and result["n_compared"] > 20
         assert result["mismatched"] == []
         assert result["rng_differed"] and result["rng_restored"]

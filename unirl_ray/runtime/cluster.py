@@ -39,9 +39,9 @@ class RayConfig:
     num_checkpoints_to_keep: int | None = 2
     """Committed checkpoints kept on storage (None: all)."""
     async_checkpoint: bool = True
-    """Checkpoints do not block training: a save returns once every rank has written its shards to a local
-    folder, and Ray Train uploads it to storage and commits it in the background
-    (``checkpoint_upload_mode=ASYNC``). A restart or a resume only ever loads a committed checkpoint; the
+    """Checkpoints do not block training: a save returns once every rank has copied its shards to memory
+    (DCP's ``async_save``); a thread per rank writes them to a local folder, and Ray Train uploads it to
+    storage and commits it in the background (``checkpoint_upload_mode=ASYNC``). A restart or a resume only ever loads a committed checkpoint; the
     next save first waits for the previous one's commit (one in flight at most: a crash loses at most the
     steps since the checkpoint before the latest), and a run that ends waits for its last one. False:
     every save waits for its commit."""

@@ -5,8 +5,8 @@ start (first start, resume, or restart after a failure) it restores the latest c
 checkpoint, announces ``{restored_step, controller_state}`` to the broker and then executes
 commands until ``stop``. ``save`` is collective: every rank writes its DCP shards and calls
 ``ray.train.report`` (a barrier); a synchronous save is acknowledged only once Ray Train lists the
-checkpoint as committed, an asynchronous one once the shards are written (``wait_checkpoint`` then
-waits for the commit).
+checkpoint as committed, an asynchronous one once the shards are copied to memory (a thread writes and
+reports them; ``wait_checkpoint`` then waits for the commit).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -84,39 +85,93 @@ def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
     return int(state["step"]), state
 
 
+class _Writing:
+    """This rank's asynchronous checkpoint still being written (``_save``): a thread that waits for the
+    shards, writes the controller state (rank 0) and reports the folder to Ray Train."""
+
+    current: _Writing | None = None
+
+    def __init__(self, name: str, run: Any) -> None:
+        self.name, self.error = name, None
+        self.thread = threading.Thread(target=self._run, args=(run,), name=f"unirl-save-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self, run: Any) -> None:
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - raised in the command that waits for it
+            log.exception("writing checkpoint %s failed", self.name)
+            self.error = exc
+
+    @classmethod
+    def join(cls, timeout_s: float) -> None:
+        """Wait for this rank's asynchronous checkpoint (if any) to be written and reported; raise its error."""
+        writing, cls.current = cls.current, None
+        if writing is None:
+            return
+        writing.thread.join(timeout_s)
+        if writing.thread.is_alive():
+            raise TimeoutError(f"checkpoint {writing.name} was not written within {timeout_s:.0f}s")
+        if writing.error is not None:
+            raise RuntimeError(f"writing checkpoint {writing.name} failed: {type(writing.error).__name__}: "
+                               f"{writing.error}") from writing.error
+
+
 def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
     """Write this rank's shards (and, on rank 0, the controller state) to a local folder and report it to
     Ray Train, which persists it to the run's storage and lists it as committed once every rank's part is
     there (a restart or a resume only ever loads a committed checkpoint).
 
-    ``payload["asynchronous"]``: return once the local folder is written; the upload and the commit go on
-    in Ray Train's background thread (``checkpoint_upload_mode=ASYNC``; a failed upload fails the worker).
+    ``payload["asynchronous"]``: return once this rank's shards are copied to CPU memory (a rank object
+    with ``save_async``; else once written): a thread writes them, and Ray Train uploads and commits the
+    folder in the background too (``checkpoint_upload_mode=ASYNC``; a failed upload fails the worker).
     ``wait_checkpoint`` waits for the commit, and so does the next save first (``payload["previous"]``): at
     most one checkpoint is ever uncommitted. Otherwise wait here until it is committed."""
     step = int(payload["step"])
     asynchronous = bool(payload.get("asynchronous"))
     t0 = time.perf_counter()
+    _Writing.join(timeout_s)  # this rank's previous one is written and reported
     if payload.get("previous") and rank == 0:  # one asynchronous checkpoint in flight at most
         _wait_committed(payload["previous"], timeout_s)
     previous_wait = time.perf_counter() - t0
     tmp = tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
-    t0 = time.perf_counter()
-    try:
-        meta = worker.save(os.path.join(tmp, SHARDS_DIR))
+    name = f"checkpoint_{step:06d}"
+    mode = ray.train.CheckpointUploadMode.ASYNC if asynchronous else ray.train.CheckpointUploadMode.SYNC
+
+    def finish(meta: dict[str, Any], folder: str) -> None:
         if rank == 0:
             state = {"step": step, "backend": meta, "controller": payload["controller"]}
-            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump(state, f)
-        written = time.perf_counter()
-        name = f"checkpoint_{step:06d}"
-        mode = ray.train.CheckpointUploadMode.ASYNC if asynchronous else ray.train.CheckpointUploadMode.SYNC
-        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
+        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=name,
                          checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=asynchronous)
+
+    t0 = time.perf_counter()
+    try:
+        if asynchronous and hasattr(worker, "save_async"):
+            meta, written = worker.save_async(os.path.join(tmp, SHARDS_DIR))
+            staged = time.perf_counter()
+
+            def write_and_report(folder: str = tmp) -> None:
+                try:
+                    written(timeout_s)
+                    finish(meta, folder)
+                except BaseException:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    raise
+
+            _Writing.current = _Writing(name, write_and_report)
+            tmp = None  # the thread owns it now; Ray Train deletes it once uploaded
+            return {"step": step, "path": None, "name": name, "write_s": staged - t0, "report_s": 0.0,
+                    "commit_wait_s": previous_wait}
+        meta = worker.save(os.path.join(tmp, SHARDS_DIR))
+        written_at = time.perf_counter()
+        finish(meta, tmp)
         if asynchronous:
             tmp = None  # Ray Train deletes it once uploaded
         reported = time.perf_counter()
         path = _wait_committed(name, timeout_s) if rank == 0 and not asynchronous else None
-        return {"step": step, "path": path, "name": name, "write_s": written - t0, "report_s": reported - written,
+        return {"step": step, "path": path, "name": name, "write_s": written_at - t0, "report_s": reported - written_at,
                 "commit_wait_s": time.perf_counter() - reported + previous_wait}
     finally:
         if tmp is not None:
@@ -141,7 +196,9 @@ def _dispatch(worker: Any, op: str, payload: Any, rank: int, save_timeout_s: flo
     if op == "save":
         return _save(worker, payload, rank, save_timeout_s)
     if op == "wait_checkpoint":  # an asynchronous save's commit
-        return {"path": _wait_committed(payload["name"], float(payload.get("timeout_s") or save_timeout_s))}
+        timeout_s = float(payload.get("timeout_s") or save_timeout_s)
+        _Writing.join(timeout_s)
+        return {"path": _wait_committed(payload["name"], timeout_s)}
     if op == "ping":
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None  # (never starts a Ray)
         return {"policy_version": worker.policy_version, "niceness": os.nice(0), "pid": os.getpid(), "node_id": node}
@@ -195,6 +252,10 @@ def worker_main(config: dict[str, Any]) -> None:
         if cmd is None:
             continue
         if cmd["op"] == "stop":
+            try:  # a checkpoint still being written is finished first (the driver waits for its commit before)
+                _Writing.join(float(config.get("save_timeout_s", 300)))
+            except Exception:  # noqa: BLE001 - it is not committed; a resume loads the one before
+                log.exception("rank %d: the last checkpoint was not written", rank)
             ray.get(broker.post_result.remote(rank, generation, cmd["id"], {"stopped": True}), timeout=60)
             return
         try:

@@ -76,6 +76,31 @@ def save(state: dict[str, Any], directory: str) -> None:
     dcp.save(state, checkpoint_id=directory)
 
 
+_GROUP: list[Any] = []  # this process's checkpoint process group, once made
+
+
+def checkpoint_group() -> Any:
+    """A gloo process group over every rank, for the background writes of ``save_async`` (their planning
+    collectives then never interleave with the training's on the default group); None when this process
+    is not distributed. Collective the first time: every rank makes it in the same call (a save)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+def save_async(state: dict[str, Any], directory: str) -> Any:
+    """Collective: copy this rank's shards of ``state`` (tensors only) to CPU memory now, and write them
+    under ``directory`` in a background thread; the ``concurrent.futures.Future`` of that write (its
+    ``result()`` raises what the write raised). The copy is what is written: the live tensors may change
+    as soon as this returns."""
+    _check_tensors_only(state)
+    return dcp.async_save(state, checkpoint_id=directory, process_group=checkpoint_group())
+
+
 def load(state: dict[str, Any], directory: str) -> None:
     """Collective: fill ``state``'s tensors in place from ``directory`` (resharding as needed)."""
     _check_tensors_only(state)

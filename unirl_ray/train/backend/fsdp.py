@@ -407,6 +407,18 @@ class FSDPBackend:
         self._require_live_weights("save()")
         os.makedirs(directory, exist_ok=True)
         dcp_io.save(self._dcp_state(), directory)
+        return self._save_meta()
+
+    def save_async(self, directory: str) -> tuple[dict[str, Any], Any]:
+        """Collective: ``save`` with the writing in the background: this rank's shards are copied to CPU
+        memory before this returns (training may change the weights right after), then written by a
+        thread. Returns the backend state (as of now) and the write's ``Future``."""
+        self._require_live_weights("save()")
+        os.makedirs(directory, exist_ok=True)
+        future = dcp_io.save_async(self._dcp_state(), directory)
+        return self._save_meta(), future
+
+    def _save_meta(self) -> dict[str, Any]:
         return {
             "optimizer_steps": self.optimizer_steps,
             "scheduler": checkpoint.scheduler_state(self.scheduler),

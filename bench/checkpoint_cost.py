@@ -7,14 +7,15 @@ hits every side alike:
   none    no checkpoint in the measured steps;
   async   a checkpoint every ``--every`` steps, ``ray.async_checkpoint=true`` (the default): the save returns
           once the rank has copied its shards to memory (and the previous checkpoint is committed); a
-          thread writes them locally, and Ray Train uploads and commits the folder in the background;
-  sync    a checkpoint every ``--every`` steps, ``ray.async_checkpoint=false``: every save waits for its commit.
+          thread writes them, copies them into the run's storage and commits the folder;
+  sync    a checkpoint every ``--every`` steps, ``ray.async_checkpoint=false``: every save is written, stored
+          and committed before the step goes on.
 
 Per side: the median wall seconds per step (the step, its MLflow logging and its checkpoint, as ``fit``
 runs them), its ratio to ``none``, and the medians of the save's phases as the step saw them (``write``: the
-DCP shards and the controller state to a local folder, for async the copy to memory only; ``report``: Ray
-Train's report, async: in the background; ``commit``: waiting for Ray Train to list it as committed, for
-async the previous checkpoint's).
+DCP shards and the controller state to a local folder, for async the copy to memory only; ``report``: the
+copy into the run's storage and the commit, for async in the background; ``commit``: waiting for the
+previous asynchronous checkpoint's commit).
 
     python bench/checkpoint_cost.py                       # every step; 3 blocks of 5 steps per side, after 2 warm-up
     python bench/checkpoint_cost.py --every 10 --block-steps 10 --json-out /tmp/ckpt.json

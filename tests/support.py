@@ -136,8 +136,7 @@ def record_training(trainer: Any) -> list[tuple[int, int, list[tuple[str, int]]]
 
 def copy_run(trainer: Any, dest: Path) -> Path:
     """The storage folder of a live run copied to ``dest`` as it stands between two checkpoints: the run
-    folder (every checkpoint Ray Train committed so far and its snapshot of them, which names them relative
-    to the folder) and the MLflow store (a consistent SQLite backup, its artifact locations moved to
+    folder (every checkpoint committed so far) and the MLflow store (a consistent SQLite backup, its artifact locations moved to
     ``dest``). A later fit of the same run name on ``dest`` resumes from the last of those checkpoints in a
     copy of the MLflow run: what a job stopped there and started again sees, without a run of its own.
 

@@ -1,5 +1,6 @@
 """Checkpoints are published atomically: a save interrupted by a dead worker, or a half-written folder
-left by a killed job, is never picked on resume. Re-running the same command resumes from the last
+left by a killed job, is never picked on resume (only folders marked committed are), and its slot is
+cleared before it is written again. Re-running the same command resumes from the last
 complete checkpoint, in the same MLflow run, and finishes."""
 
 import json
@@ -13,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 import support
 
+from unirl_ray.runtime.worker import COMMIT_FILE
 from unirl_ray.trainer.ar import ARTrainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -71,3 +73,9 @@ def test_interrupted_save_and_half_written_folder_are_never_picked(ray_local, tm
     # it resumed from a complete checkpoint (2, or 4 if the kill came after the commit), never the junk 6
     state = json.loads((run_dir / "checkpoint_000006" / "controller_state.json").read_text())
     assert state["step"] == 6 and second.policy_version == 6
+    # the slots of the interrupted 4 and the junk 6 were cleared and written again; each checkpoint is marked
+    # committed, and only the newest ray.num_checkpoints_to_keep (2) are kept
+    folders = sorted(p.name for p in run_dir.glob("checkpoint_*"))
+    assert folders == ["checkpoint_000004", "checkpoint_000006"], folders
+    assert all((run_dir / name / COMMIT_FILE).is_file() for name in folders)
+    assert not (run_dir / "checkpoint_000006" / "shards" / "__0_0.distcp").read_bytes().startswith(b"\0" * 10)

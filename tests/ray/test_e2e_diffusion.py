@@ -58,8 +58,8 @@ def test_a_restart_resumes_lora_adapters_optimizer_and_data_exactly(ray_local, t
     client = MlflowClient(trainer.tracker.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id], "tags.mlflow.runName = 'resumed'")
     assert len(runs) == 1
-    # asynchronous checkpoints (the default): the saves returned before their commit (Ray Train committed
-    # them in the background: the step-2 one is what the restart loaded), and the run's end waited for the last
+    # asynchronous checkpoints (the default): the saves returned before their commit (written and committed
+    # in the background: the step-2 one is what the restart loaded), and the run's end waited for the last
     timing, waits = attempts(trainer, "checkpoint/write_s"), attempts(trainer, "checkpoint/commit_wait_s")
     assert sorted(timing) == [2, 4] and all(v < 1e-3 for vs in waits.values() for v in vs), waits
     with open(tmp_path / "resumed" / "checkpoint_000004" / "controller_state.json") as f:

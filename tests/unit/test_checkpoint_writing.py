@@ -1,5 +1,7 @@
-"""A rank's asynchronous checkpoint (``runtime.worker._Writing``): the next save or ``wait_checkpoint`` waits
-for it and raises what it raised, naming the checkpoint; a write that outlives its timeout is named too."""
+"""Checkpoint bookkeeping of a train rank (``runtime.worker``): the next save or ``wait_checkpoint`` waits for
+the rank's asynchronous checkpoint (``_Writing``) and raises what it raised, naming it; a write that outlives
+its timeout is named too; only folders with the commit marker count as committed, and deleting one removes
+its marker first."""
 
 import threading
 
@@ -30,3 +32,28 @@ def test_the_next_command_waits_for_the_write_and_a_hung_one_times_out():
     with pytest.raises(TimeoutError, match="checkpoint_000002 was not written within 0s"):
         _Writing.join(0.2)
     stuck.set()
+
+
+def test_only_marked_checkpoint_folders_count_and_deleting_one_drops_its_marker_first(tmp_path):
+    import pyarrow.fs
+
+    from unirl_ray.runtime.worker import COMMIT_FILE, _delete_checkpoint, committed_checkpoints
+
+    fs = pyarrow.fs.LocalFileSystem()
+    for step, marked in ((2, True), (4, False), (10, True), (6, True)):  # 4: a save a killed job left half written
+        folder = tmp_path / f"checkpoint_{step:06d}"
+        (folder / "shards").mkdir(parents=True)
+        if marked:
+            (folder / COMMIT_FILE).write_text("{}")
+    (tmp_path / "checkpoint_x").mkdir()
+    (tmp_path / "checkpoint_000008").write_text("a file, not a folder")
+    (tmp_path / "mlflow.db").write_text("")
+    found = committed_checkpoints(fs, str(tmp_path))
+    assert [step for step, _ in found] == [2, 6, 10]  # numeric order, the unmarked 4 and the rest ignored
+    assert found[-1][1] == str(tmp_path / "checkpoint_000010")
+    assert committed_checkpoints(fs, str(tmp_path / "no_such_run")) == []
+    _delete_checkpoint(fs, found[0][1])
+    _delete_checkpoint(fs, str(tmp_path / "checkpoint_000004"))
+    _delete_checkpoint(fs, str(tmp_path / "checkpoint_000012"))  # absent: nothing to do
+    assert not (tmp_path / "checkpoint_000002").exists() and not (tmp_path / "checkpoint_000004").exists()
+    assert [step for step, _ in committed_checkpoints(fs, str(tmp_path))] == [6, 10]

@@ -37,14 +37,15 @@ class RayConfig:
     check_resources: bool = True
     """Fail fast when the cluster's total resources cannot hold the train workers (disable with an autoscaler)."""
     num_checkpoints_to_keep: int | None = 2
-    """Committed checkpoints kept on storage (None: all)."""
+    """Committed checkpoints kept on storage, the newest (None: all); older ones are deleted after each commit."""
     async_checkpoint: bool = True
     """Checkpoints do not block training: a save returns once every rank has copied its shards to memory
-    (DCP's ``async_save``); a thread per rank writes them to a local folder, and Ray Train uploads it to
-    storage and commits it in the background (``checkpoint_upload_mode=ASYNC``). A restart or a resume only ever loads a committed checkpoint; the
+    (DCP's ``async_save``); a thread per rank writes them, copies them into the run's storage
+    (``<storage_path>/<run_name>/checkpoint_<step>/``, a folder or a URI) and, once every rank's are there,
+    rank 0 marks the folder committed. A restart or a resume only ever loads a committed checkpoint; the
     next save first waits for the previous one's commit (one in flight at most: a crash loses at most the
     steps since the checkpoint before the latest), and a run that ends waits for its last one. False:
-    every save waits for its commit."""
+    every save is written, stored and committed before training goes on."""
     runtime_env: dict[str, Any] | None = None
     """Ray's runtime environment for the whole run (``working_dir``, ``py_modules``, ``pip`` / ``uv``,
     ``env_vars``, ...): set on the job when the trainer starts or joins Ray, so every train worker, Serve

@@ -81,11 +81,11 @@ class TrainGroup:
         self._fit_error: BaseException | None = None
         self._fit_result: Any = None
         self._ready = False  # every rank announced (since the last start or restart)
-        self._uncommitted: str | None = None  # the asynchronous checkpoint still uploading, by name
+        self._uncommitted: str | None = None  # the asynchronous checkpoint still being written, by name
 
     # ---------------------------------------------------------------- start
     def _trainer(self):
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
 
         from unirl_ray.runtime.process_group import ProcessGroupConfig
         from unirl_ray.runtime.worker import worker_main
@@ -105,7 +105,6 @@ class TrainGroup:
                 name=self.run_name,
                 storage_path=self.storage_path,
                 failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
-                checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
                 worker_runtime_env=_worker_runtime_env(),
             ),
         )
@@ -186,17 +185,21 @@ class TrainGroup:
 
     def save(self, step: int, controller_state: dict[str, Any]) -> dict[str, Any]:
         """Collective checkpoint; rank 0's report: ``path`` (the committed checkpoint; None while an
-        asynchronous save uploads), ``write_s`` / ``report_s`` / ``commit_wait_s`` (its phases).
+        asynchronous save is still written), ``write_s`` / ``report_s`` / ``commit_wait_s`` (its phases:
+        the shards written, or for an asynchronous save copied to memory; stored and committed; the wait
+        for the previous asynchronous save).
 
-        With ``ray.async_checkpoint`` the ranks return once their shards are written; Ray Train uploads
-        and commits the checkpoint in the background (a restart or resume only loads committed ones) and
-        ``wait_committed`` waits for it (``stop`` does, a finished run does before it ends, and the next
-        save does first: at most one checkpoint is uncommitted at any time)."""
+        A checkpoint is committed once every rank's shards are in the run's storage and rank 0 has marked
+        the folder (``runtime.worker._save``): a restart or a resume only loads committed ones. With
+        ``ray.async_checkpoint`` the ranks return once their shards are copied to memory and a thread per
+        rank writes, stores and commits them; ``wait_committed`` waits for it (``stop`` does, a finished run
+        does before it ends, and the next save does first: at most one checkpoint is uncommitted at any
+        time)."""
         asynchronous = self.ray_cfg.async_checkpoint
         payload = {"step": step, "controller": controller_state, "asynchronous": asynchronous,
-                   "previous": self._uncommitted}  # committed before this one is written: one in flight at most
+                   "keep": self.ray_cfg.num_checkpoints_to_keep}
         result = self.call("save", payload)[0]
-        self._uncommitted = result["name"] if asynchronous else None
+        self._uncommitted = result["name"] if asynchronous and result["path"] is None else None
         return result
 
     def wait_committed(self, timeout_s: float | None = None) -> str | None:

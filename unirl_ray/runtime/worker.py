@@ -1,12 +1,12 @@
 """The Ray Train worker program: build the rank's objects once, then serve the controller.
 
 ``worker_main`` is the ``train_loop_per_worker`` of the long-lived ``TorchTrainer`` run. On every
-start (first start, resume, or restart after a failure) it restores the latest committed Ray Train
+start (first start, resume, or restart after a failure) it restores the run's newest committed
 checkpoint, announces ``{restored_step, controller_state}`` to the broker and then executes
-commands until ``stop``. ``save`` is collective: every rank writes its DCP shards and calls
-``ray.train.report`` (a barrier); a synchronous save is acknowledged only once Ray Train lists the
-checkpoint as committed, an asynchronous one once the shards are copied to memory (a thread writes and
-reports them; ``wait_checkpoint`` then waits for the commit).
+commands until ``stop``. ``save`` is collective: every rank writes its DCP shards and copies them into the
+run's storage, and rank 0 marks the folder committed once all are there (``_save``); a synchronous save is
+acknowledged once committed, an asynchronous one once the shards are copied to memory (a thread writes,
+stores and commits them; ``wait_checkpoint`` waits for that).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import importlib
 import json
 import logging
 import os
+import posixpath
+import re
 import shutil
 import tempfile
 import threading
@@ -29,12 +31,17 @@ import torch
 from unirl_ray.runtime.broker import pack, unpack
 from unirl_ray.runtime.cluster import set_niceness
 from unirl_ray.runtime.operations import dispatch
+from unirl_ray.train.backend import dcp_io
 from unirl_ray.train.configs import TrainTopology
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "controller_state.json"
 SHARDS_DIR = "shards"
+COMMIT_FILE = ".unirl_committed"
+"""Written last into a checkpoint folder in the run's storage, by rank 0 once every rank's shards are there:
+the folder is complete (``_save``)."""
+_CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
 DEFAULT_RANK_CLASS = "unirl_ray.train.rank.StackWorker"
 """What a train rank builds unless the trainer names another class (``TrainGroup(rank_class=...)``): an
 object built as ``cls(sections, topology=, device=, open_shard=)`` with ``save``, ``load``,
@@ -75,8 +82,31 @@ def read_checkpoint_state(directory: str, name: str | None = None) -> dict[str, 
     return state
 
 
+def committed_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint folder under ``root`` (on pyarrow filesystem ``fs``) that holds
+    ``COMMIT_FILE``, oldest first."""
+    import pyarrow.fs
+
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
+    folders = sorted((int(m.group(1)), info.path) for info in infos
+                     if info.type == pyarrow.fs.FileType.Directory and (m := _CHECKPOINT_NAME.match(info.base_name)))
+    if not folders:
+        return []
+    markers = fs.get_file_info([posixpath.join(path, COMMIT_FILE) for _, path in folders])
+    return [folder for folder, marker in zip(folders, markers) if marker.type == pyarrow.fs.FileType.File]
+
+
 def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
-    checkpoint = ray.train.get_checkpoint()
+    """Load the newest committed checkpoint of the run (``_save``'s, or one Ray Train registered: a run
+    checkpointed before this project committed its own); ``(0, None)`` for a new run."""
+    storage = ray.train.get_context().get_storage()
+    own = committed_checkpoints(storage.storage_filesystem, storage.experiment_fs_path)
+    checkpoint = ray.train.Checkpoint(own[-1][1], filesystem=storage.storage_filesystem) if own else None
+    registered = ray.train.get_checkpoint()
+    if registered is not None:
+        match = _CHECKPOINT_NAME.match(posixpath.basename(registered.path.rstrip("/")))
+        if checkpoint is None or (match is not None and int(match.group(1)) > own[-1][0]):
+            checkpoint = registered
     if checkpoint is None:
         return 0, None
     with checkpoint.as_directory() as directory:
@@ -87,7 +117,7 @@ def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
 
 class _Writing:
     """This rank's asynchronous checkpoint still being written (``_save``): a thread that waits for the
-    shards, writes the controller state (rank 0) and reports the folder to Ray Train."""
+    shards, then stores and commits them."""
 
     current: _Writing | None = None
 
@@ -105,7 +135,7 @@ class _Writing:
 
     @classmethod
     def join(cls, timeout_s: float) -> None:
-        """Wait for this rank's asynchronous checkpoint (if any) to be written and reported; raise its error."""
+        """Wait for this rank's asynchronous checkpoint (if any) to be written and committed; raise its error."""
         writing, cls.current = cls.current, None
         if writing is None:
             return
@@ -117,78 +147,83 @@ class _Writing:
                                f"{writing.error}") from writing.error
 
 
+def _delete_checkpoint(fs: Any, path: str) -> None:
+    """Remove a checkpoint folder from storage, its commit marker first (a folder half deleted is never
+    taken for a complete one)."""
+    import pyarrow.fs
+
+    marker = posixpath.join(path, COMMIT_FILE)
+    if fs.get_file_info(marker).type == pyarrow.fs.FileType.File:
+        fs.delete_file(marker)
+    if fs.get_file_info(path).type == pyarrow.fs.FileType.Directory:
+        fs.delete_dir(path)
+
+
 def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
-    """Write this rank's shards (and, on rank 0, the controller state) to a local folder and report it to
-    Ray Train, which persists it to the run's storage and lists it as committed once every rank's part is
-    there (a restart or a resume only ever loads a committed checkpoint).
+    """Collective checkpoint of step ``payload["step"]``: every rank writes its DCP shards (and rank 0 the
+    controller state) to a local folder and copies it into the run's storage (``checkpoint_<step>/``, Ray
+    Train's storage context: a local folder or a URI); once every rank's copy is there (a barrier), rank 0
+    writes ``COMMIT_FILE`` into it: only then is it committed, and only a committed checkpoint is ever loaded
+    (``_restore``). Rank 0 then deletes the committed checkpoints beyond ``payload["keep"]`` (None: keeps all).
 
-    ``payload["asynchronous"]``: return once this rank's shards are copied to CPU memory (a rank object
-    with ``save_async``; else once written): a thread writes them, and Ray Train uploads and commits the
-    folder in the background too (``checkpoint_upload_mode=ASYNC``; a failed upload fails the worker).
-    ``wait_checkpoint`` waits for the commit, and so does the next save first (``payload["previous"]``): at
-    most one checkpoint is ever uncommitted. Otherwise wait here until it is committed."""
+    ``payload["asynchronous"]`` (with a rank object that has ``save_async``): return once this rank's shards
+    are copied to memory; a thread writes, stores and commits them. ``wait_checkpoint`` waits for it, and
+    so does the next save first: at most one checkpoint is ever uncommitted. Otherwise all of it happens
+    here, and rank 0 returns the committed path."""
     step = int(payload["step"])
-    asynchronous = bool(payload.get("asynchronous"))
     t0 = time.perf_counter()
-    _Writing.join(timeout_s)  # this rank's previous one is written and reported
-    if payload.get("previous") and rank == 0:  # one asynchronous checkpoint in flight at most
-        _wait_committed(payload["previous"], timeout_s)
+    _Writing.join(timeout_s)  # the previous checkpoint is stored (and, by rank 0, committed)
     previous_wait = time.perf_counter() - t0
+    storage = ray.train.get_context().get_storage()
+    fs, name = storage.storage_filesystem, f"checkpoint_{step:06d}"
+    dest = posixpath.join(storage.experiment_fs_path, name)
+    if rank == 0:  # what a killed job left in this slot (never committed, or the run resumed from before it)
+        _delete_checkpoint(fs, dest)  # (before the collective write: no rank stores into it before this)
+    group = dcp_io.checkpoint_group()  # collective the first time: every rank is here
     tmp = tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
-    name = f"checkpoint_{step:06d}"
-    mode = ray.train.CheckpointUploadMode.ASYNC if asynchronous else ray.train.CheckpointUploadMode.SYNC
 
-    def finish(meta: dict[str, Any], folder: str) -> None:
+    def store_and_commit(meta: dict[str, Any], folder: str) -> str:
         if rank == 0:
             state = {"step": step, "backend": meta, "controller": payload["controller"]}
             with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump(state, f)
-        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=name,
-                         checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=asynchronous)
+        storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(folder), name)
+        if group is not None:
+            torch.distributed.barrier(group=group)  # every rank's shards are in storage
+        if rank == 0:
+            with fs.open_output_stream(posixpath.join(dest, COMMIT_FILE)) as f:
+                f.write(json.dumps({"step": step}).encode())
+            keep = payload.get("keep")
+            if keep is not None:
+                for _, old in committed_checkpoints(fs, storage.experiment_fs_path)[:-max(1, int(keep))]:
+                    _delete_checkpoint(fs, old)
+        return dest
 
     t0 = time.perf_counter()
     try:
-        if asynchronous and hasattr(worker, "save_async"):
+        if payload.get("asynchronous") and hasattr(worker, "save_async"):
             meta, written = worker.save_async(os.path.join(tmp, SHARDS_DIR))
             staged = time.perf_counter()
 
-            def write_and_report(folder: str = tmp) -> None:
+            def write_and_commit(folder: str = tmp) -> None:
                 try:
                     written(timeout_s)
-                    finish(meta, folder)
-                except BaseException:
+                    store_and_commit(meta, folder)
+                finally:
                     shutil.rmtree(folder, ignore_errors=True)
-                    raise
 
-            _Writing.current = _Writing(name, write_and_report)
-            tmp = None  # the thread owns it now; Ray Train deletes it once uploaded
+            _Writing.current = _Writing(name, write_and_commit)
+            tmp = None  # the thread owns it now
             return {"step": step, "path": None, "name": name, "write_s": staged - t0, "report_s": 0.0,
                     "commit_wait_s": previous_wait}
         meta = worker.save(os.path.join(tmp, SHARDS_DIR))
         written_at = time.perf_counter()
-        finish(meta, tmp)
-        if asynchronous:
-            tmp = None  # Ray Train deletes it once uploaded
-        reported = time.perf_counter()
-        path = _wait_committed(name, timeout_s) if rank == 0 and not asynchronous else None
-        return {"step": step, "path": path, "name": name, "write_s": written_at - t0, "report_s": reported - written_at,
-                "commit_wait_s": time.perf_counter() - reported + previous_wait}
+        path = store_and_commit(meta, tmp)
+        return {"step": step, "path": path if rank == 0 else None, "name": name, "write_s": written_at - t0,
+                "report_s": time.perf_counter() - written_at, "commit_wait_s": previous_wait}
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _wait_committed(name: str, timeout_s: float) -> str:
-    """Block until Ray Train lists checkpoint ``name`` as committed; returns its path."""
-    deadline = time.monotonic() + timeout_s
-    mode = ray.train.CheckpointConsistencyMode.COMMITTED
-    while time.monotonic() < deadline:
-        reported = ray.train.get_all_reported_checkpoints(consistency_mode=mode, timeout_s=max(1.0, deadline - time.monotonic()))
-        for item in reported:
-            if os.path.basename(item.checkpoint.path.rstrip("/")) == name:
-                return item.checkpoint.path
-        time.sleep(0.1)
-    raise TimeoutError(f"checkpoint {name} was not committed by Ray Train within {timeout_s:.0f}s")
 
 
 def _dispatch(worker: Any, op: str, payload: Any, rank: int, save_timeout_s: float) -> Any:
@@ -196,9 +231,9 @@ def _dispatch(worker: Any, op: str, payload: Any, rank: int, save_timeout_s: flo
     if op == "save":
         return _save(worker, payload, rank, save_timeout_s)
     if op == "wait_checkpoint":  # an asynchronous save's commit
-        timeout_s = float(payload.get("timeout_s") or save_timeout_s)
-        _Writing.join(timeout_s)
-        return {"path": _wait_committed(payload["name"], timeout_s)}
+        _Writing.join(float(payload.get("timeout_s") or save_timeout_s))
+        storage = ray.train.get_context().get_storage()
+        return {"path": posixpath.join(storage.experiment_fs_path, payload["name"])}
     if op == "ping":
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None  # (never starts a Ray)
         return {"policy_version": worker.policy_version, "niceness": os.nice(0), "pid": os.getpid(), "node_id": node}

@@ -4,6 +4,7 @@ continued on 1 rank (DCP resharding)."""
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -56,10 +57,15 @@ def _exact_resume_rank(directory, asynchronous=False):
     torch.manual_seed(100 + rank)
     _run(first, 0, K, noise=True)
     if asynchronous:  # the shards are copied when save_async returns: training on at once changes nothing saved
-        meta, future = first.save_async(directory)
+        meta, write = first.save_async(directory)
         rng_at_save = torch.get_rng_state()
         _run(first, K, N + 2, noise=True)
-        future.result(timeout=120)
+        from unirl_ray.train.backend.dcp_io import checkpoint_group
+        checkpoint_group()  # made collectively, as the rank's save command does before its thread writes
+        thread = threading.Thread(target=write)
+        thread.start()
+        _run(first, N + 2, N + 4, noise=True)  # and while the thread writes (on the checkpoint group)
+        thread.join(120)
         torch.set_rng_state(rng_at_save)
     else:
         meta = first.save(directory)

@@ -202,12 +202,12 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
     t0 = time.perf_counter()
     try:
         if payload.get("asynchronous") and hasattr(worker, "save_async"):
-            meta, written = worker.save_async(os.path.join(tmp, SHARDS_DIR))
+            meta, write = worker.save_async(os.path.join(tmp, SHARDS_DIR))
             staged = time.perf_counter()
 
             def write_and_commit(folder: str = tmp) -> None:
                 try:
-                    written(timeout_s)
+                    write()
                     store_and_commit(meta, folder)
                 finally:
                     shutil.rmtree(folder, ignore_errors=True)

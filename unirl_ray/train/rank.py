@@ -407,22 +407,22 @@ class StackWorker:
         log.debug("rank %d saved shards in %.2fs", self.topology.rank, time.perf_counter() - t0)
         return metas[IMPLICIT_SIDE] if self.implicit else {"sides": metas}
 
-    def save_async(self, directory: str) -> tuple[dict[str, Any], Any]:
-        """Collective: ``save`` with the writing in the background (``FSDPBackend.save_async``): every trained
-        side's shards are copied before this returns; returns the state and a function that waits until
-        all are written (raising what a write raised)."""
-        metas, futures = {}, []
+    def save_async(self, directory: str) -> tuple[dict[str, Any], Callable[[], None]]:
+        """``save`` in two parts (``FSDPBackend.save_async``): every trained side's shards are copied before
+        this returns; returns the state and a function that writes the copies, one side after another
+        (collective: a background thread of every rank calls it)."""
+        metas, writes = {}, []
         for chosen in self._trained_sides(None):
-            meta, future = chosen.backend.save_async(directory if self.implicit else os.path.join(directory, chosen.name))
+            meta, write = chosen.backend.save_async(directory if self.implicit else os.path.join(directory, chosen.name))
             meta["policy_version"] = chosen.policy_version
             metas[chosen.name] = meta
-            futures.append(future)
+            writes.append(write)
 
-        def written(timeout_s: float | None = None) -> None:
-            for future in futures:
-                future.result(timeout=timeout_s)
+        def write_all() -> None:
+            for write in writes:
+                write()
 
-        return (metas[IMPLICIT_SIDE] if self.implicit else {"sides": metas}), written
+        return (metas[IMPLICIT_SIDE] if self.implicit else {"sides": metas}), write_all
 
     def load(self, directory: str, meta: dict[str, Any]) -> None:
         """Collective: restore every side that trains from ``save``'s shards and state."""

@@ -92,13 +92,24 @@ def checkpoint_group() -> Any:
     return _GROUP[0]
 
 
-def save_async(state: dict[str, Any], directory: str) -> Any:
-    """Collective: copy this rank's shards of ``state`` (tensors only) to CPU memory now, and write them
-    under ``directory`` in a background thread; the ``concurrent.futures.Future`` of that write (its
-    ``result()`` raises what the write raised). The copy is what is written: the live tensors may change
-    as soon as this returns."""
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of this rank's shards of ``state`` (tensors only) in CPU memory, as DCP's ``async_save``
+    stages them: what ``save_staged`` writes while the live tensors change."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
     _check_tensors_only(state)
-    return dcp.async_save(state, checkpoint_id=directory, process_group=checkpoint_group())
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        return stager.stage(state)
+    finally:
+        stager.close()
+
+
+def save_staged(staged: dict[str, Any], directory: str) -> None:
+    """Collective over ``checkpoint_group()``: write ``stage``'s copy under ``directory`` (from a background
+    thread while the training runs collectives of its own on the default group). The ranks write their
+    staged states in the same order (one thread per rank, one save after another)."""
+    dcp.save(staged, checkpoint_id=directory, process_group=checkpoint_group())
 
 
 def load(state: dict[str, Any], directory: str) -> None:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, Iterator
 
 import torch
@@ -409,14 +411,15 @@ class FSDPBackend:
         dcp_io.save(self._dcp_state(), directory)
         return self._save_meta()
 
-    def save_async(self, directory: str) -> tuple[dict[str, Any], Any]:
-        """Collective: ``save`` with the writing in the background: this rank's shards are copied to CPU
-        memory before this returns (training may change the weights right after), then written by a
-        thread. Returns the backend state (as of now) and the write's ``Future``."""
+    def save_async(self, directory: str) -> tuple[dict[str, Any], Callable[[], None]]:
+        """``save`` in two parts: this rank's shards are copied to CPU memory before this returns (training
+        may change the weights right after); the returned function writes the copy (collective over the
+        checkpoint group: a background thread of every rank calls it). Returns the backend state (as of
+        now) and that function."""
         self._require_live_weights("save()")
         os.makedirs(directory, exist_ok=True)
-        future = dcp_io.save_async(self._dcp_state(), directory)
-        return self._save_meta(), future
+        staged = dcp_io.stage(self._dcp_state())
+        return self._save_meta(), functools.partial(dcp_io.save_staged, staged, directory)
 
     def _save_meta(self) -> dict[str, Any]:
         return {

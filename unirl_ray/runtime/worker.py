@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Any
 
+import pyarrow.fs
 import ray
 import ray.train
 import torch
@@ -85,8 +86,6 @@ def read_checkpoint_state(directory: str, name: str | None = None) -> dict[str, 
 def committed_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
     """``(step, path)`` of every checkpoint folder under ``root`` (on pyarrow filesystem ``fs``) that holds
     ``COMMIT_FILE``, oldest first."""
-    import pyarrow.fs
-
     infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
     folders = sorted((int(m.group(1)), info.path) for info in infos
                      if info.type == pyarrow.fs.FileType.Directory and (m := _CHECKPOINT_NAME.match(info.base_name)))
@@ -150,8 +149,6 @@ class _Writing:
 def _delete_checkpoint(fs: Any, path: str) -> None:
     """Remove a checkpoint folder from storage, its commit marker first (a folder half deleted is never
     taken for a complete one)."""
-    import pyarrow.fs
-
     marker = posixpath.join(path, COMMIT_FILE)
     if fs.get_file_info(marker).type == pyarrow.fs.FileType.File:
         fs.delete_file(marker)
@@ -161,9 +158,9 @@ def _delete_checkpoint(fs: Any, path: str) -> None:
 
 def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
     """Collective checkpoint of step ``payload["step"]``: every rank writes its DCP shards (and rank 0 the
-    controller state) to a local folder and copies it into the run's storage (``checkpoint_<step>/``, Ray
-    Train's storage context: a local folder or a URI); once every rank's copy is there (a barrier), rank 0
-    writes ``COMMIT_FILE`` into it: only then is it committed, and only a committed checkpoint is ever loaded
+    controller state) into the run's storage (``checkpoint_<step>/`` in Ray Train's storage context: in
+    place in a local or mounted folder; to a local folder first, then copied, for a URI); once every rank's
+    are there (a barrier), rank 0 writes ``COMMIT_FILE`` into it: only then is it committed, and only a committed checkpoint is ever loaded
     (``_restore``). Rank 0 then deletes the committed checkpoints beyond ``payload["keep"]`` (None: keeps all).
 
     ``payload["asynchronous"]`` (with a rank object that has ``save_async``): return once this rank's shards
@@ -178,16 +175,21 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
     fs, name = storage.storage_filesystem, f"checkpoint_{step:06d}"
     dest = posixpath.join(storage.experiment_fs_path, name)
     if rank == 0:  # what a killed job left in this slot (never committed, or the run resumed from before it)
-        _delete_checkpoint(fs, dest)  # (before the collective write: no rank stores into it before this)
+        _delete_checkpoint(fs, dest)
     group = dcp_io.checkpoint_group()  # collective the first time: every rank is here
-    tmp = tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
+    if group is not None:
+        torch.distributed.barrier(group=group)  # no rank writes into the slot before it is cleared
+    # a local (or mounted, shared) storage folder is written in place; a URI through a local folder first
+    direct = isinstance(fs, pyarrow.fs.LocalFileSystem)
+    tmp = dest if direct else tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
 
     def store_and_commit(meta: dict[str, Any], folder: str) -> str:
         if rank == 0:
             state = {"step": step, "backend": meta, "controller": payload["controller"]}
             with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump(state, f)
-        storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(folder), name)
+        if not direct:
+            storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(folder), name)
         if group is not None:
             torch.distributed.barrier(group=group)  # every rank's shards are in storage
         if rank == 0:
@@ -210,7 +212,8 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
                     write()
                     store_and_commit(meta, folder)
                 finally:
-                    shutil.rmtree(folder, ignore_errors=True)
+                    if not direct:
+                        shutil.rmtree(folder, ignore_errors=True)
 
             _Writing.current = _Writing(name, write_and_commit)
             tmp = None  # the thread owns it now
@@ -222,7 +225,7 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
         return {"step": step, "path": path if rank == 0 else None, "name": name, "write_s": written_at - t0,
                 "report_s": time.perf_counter() - written_at, "commit_wait_s": previous_wait}
     finally:
-        if tmp is not None:
+        if tmp is not None and not direct:
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -40,7 +40,7 @@ class RayConfig:
     """Committed checkpoints kept on storage, the newest (None: all); older ones are deleted after each commit."""
     async_checkpoint: bool = True
     """Checkpoints do not block training: a save returns once every rank has copied its shards to memory
-    (DCP's ``async_save``); a thread per rank writes them, copies them into the run's storage
+    (staged as DCP's ``async_save`` stages them); a thread per rank writes them into the run's storage
     (``<storage_path>/<run_name>/checkpoint_<step>/``, a folder or a URI) and, once every rank's are there,
     rank 0 marks the folder committed. A restart or a resume only ever loads a committed checkpoint; the
     next save first waits for the previous one's commit (one in flight at most: a crash loses at most the

@@ -460,8 +460,9 @@ class BaseTrainer(ABC):
 
     def save_checkpoint(self, step: int) -> str | None:
         """Checkpoint the ranks and the controller at ``step``; the committed path (None while an asynchronous
-        save uploads: ``ray.async_checkpoint``). Logs ``timing/checkpoint`` (what training waited) and the
-        save's phases (``checkpoint/write_s``, ``report_s``, ``commit_wait_s``)."""
+        save is written: ``ray.async_checkpoint``). Logs ``timing/checkpoint`` (what training waited) and the
+        save's phases (``checkpoint/write_s``: written, or copied to memory; ``report_s``: stored and
+        committed; ``commit_wait_s``: the wait for the previous asynchronous save)."""
         t0 = time.perf_counter()
         result = self.group.save(step, self.controller_state())
         metrics = {"timing/checkpoint": time.perf_counter() - t0}

@@ -57,3 +57,89 @@ def test_only_marked_checkpoint_folders_count_and_deleting_one_drops_its_marker_
     _delete_checkpoint(fs, str(tmp_path / "checkpoint_000012"))  # absent: nothing to do
     assert not (tmp_path / "checkpoint_000002").exists() and not (tmp_path / "checkpoint_000004").exists()
     assert [step for step, _ in committed_checkpoints(fs, str(tmp_path))] == [6, 10]
+
+
+class _Rank:
+    """A rank object whose whole state is one number, written to ``<shards>/value``."""
+
+    policy_version = 0
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def save(self, directory):
+        meta, write = self.save_async(directory)
+        write()
+        return meta
+
+    def save_async(self, directory):
+        import os
+
+        os.makedirs(directory, exist_ok=True)
+        staged = self.value
+
+        def write():
+            with open(os.path.join(directory, "value"), "w") as f:
+                f.write(str(staged))
+
+        return {"value": staged}, write
+
+    def load(self, directory, meta):
+        import os
+
+        with open(os.path.join(directory, "value")) as f:
+            self.value = int(f.read())
+        assert meta == {"value": self.value}
+
+
+@pytest.mark.parametrize("uri", [False, True], ids=["folder", "uri"])
+def test_save_commits_prunes_clears_a_left_slot_and_restore_loads_the_newest(tmp_path, monkeypatch, uri):
+    """``_save`` / ``_restore`` of one rank against a real Ray Train storage context: a local folder (written in
+    place) and a filesystem that is not the local one (the URI branch: a local folder first, then copied)."""
+    import json
+    import os
+    import tempfile
+    import types
+
+    import fsspec
+    import pyarrow.fs
+    import ray.train
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    from unirl_ray.runtime import worker as w
+
+    fs = pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fsspec.filesystem("file"))) if uri else None
+    storage = StorageContext(str(tmp_path), "run", storage_filesystem=fs)
+    monkeypatch.setattr(ray.train, "get_context", lambda: types.SimpleNamespace(get_storage=lambda: storage))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    run = tmp_path / "run"
+    leftovers = lambda: {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("unirl_ckpt_")}  # noqa: E731
+    before = leftovers()
+
+    rank = _Rank(1)
+    out = w._save(rank, {"step": 1, "controller": {"cursor": 1}, "asynchronous": True, "keep": 2}, 0, 60)
+    assert out["path"] is None and out["name"] == "checkpoint_000001"
+    rank.value = 99  # training goes on: the copy taken at the save is what is written
+    w._Writing.join(60)
+    first = run / "checkpoint_000001"
+    assert (first / w.COMMIT_FILE).is_file() and (first / "shards" / "value").read_text() == "1"
+    assert json.loads((first / w.STATE_FILE).read_text()) == {"step": 1, "backend": {"value": 1}, "controller": {"cursor": 1}}
+
+    for step in (2, 3):
+        rank.value = step
+        out = w._save(rank, {"step": step, "controller": {"cursor": step}, "asynchronous": False, "keep": 2}, 0, 60)
+        assert out["path"] == str(run / f"checkpoint_{step:06d}")  # committed when a synchronous save returns
+    assert sorted(p.name for p in run.glob("checkpoint_*")) == ["checkpoint_000002", "checkpoint_000003"]  # kept 2
+
+    junk = run / "checkpoint_000004"  # a killed job's half-written save in the next slot
+    (junk / "shards").mkdir(parents=True)
+    (junk / "shards" / "stale").write_text("x")
+    assert w._restore(_Rank()) == (3, json.loads((run / "checkpoint_000003" / w.STATE_FILE).read_text()))
+    rank.value = 4
+    w._save(rank, {"step": 4, "controller": {}, "asynchronous": True, "keep": None}, 0, 60)
+    w._Writing.join(60)
+    assert not (junk / "shards" / "stale").exists() and (junk / w.COMMIT_FILE).is_file()
+    resumed = _Rank()
+    step, state = w._restore(resumed)
+    assert (step, resumed.value, state["step"]) == (4, 4, 4)
+    assert leftovers() == before  # the local folders of the URI branch are gone

@@ -74,3 +74,30 @@ def test_bad_arguments_and_layouts_are_refused_with_the_reason():
         DedicatedRollout(attach=" ")
     assert DedicatedRollout(attach="engine").resources() == {}
     assert DedicatedRollout().resources() == {"CPU": 0.5}
+
+
+def test_the_engine_apps_a_trainer_deploys_count_in_its_resources_and_make_the_driver_import_serve(tmp_path):
+    from unirl_ray.trainer.diffusion import DiffusionTrainer
+    from unirl_ray.trainer.unified import UnifiedModelTrainer
+
+    def recipe(*parts, overrides=()):
+        return load_recipe(os.path.join(ROOT, "recipes", *parts), [f"trainer.storage_path={tmp_path}", *overrides])
+
+    def add(*needs):
+        total = {}
+        for need in needs:
+            for key, value in need.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
+
+    direct = ARTrainer(recipe("ar", "tiny", "char_grpo_direct.yaml"))
+    assert direct.engine_configs() == {} and direct.extra_resources() == direct.reward_cfg.resources()
+    engine = ARTrainer(recipe("ar", "tiny", "char_grpo_engine.yaml"))
+    assert engine.engine_configs() == {"rollout": engine.dedicated} and "serve" in engine.driver_libraries()
+    assert engine.extra_resources() == add(engine.reward_cfg.resources(), engine.dedicated.resources())
+    pair = UnifiedModelTrainer(recipe("unified", "tiny", "janus_tiny_engines.yaml"))
+    apps = pair.engine_configs()
+    assert len(apps) == 2 and all(isinstance(cfg, DedicatedRollout) for cfg in apps.values())
+    assert pair.extra_resources() == add(pair.reward_cfg.resources(), *(cfg.resources() for cfg in apps.values()))
+    sd3 = DiffusionTrainer(recipe("diffusion", "sd3", "sd3_tiny_flowgrpo.yaml"))  # brightness: scored on the driver
+    assert sd3.engine_configs() == {} and "serve" not in sd3.driver_libraries()

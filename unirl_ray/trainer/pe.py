@@ -213,12 +213,8 @@ class PETrainer(RLTrainer):
         if self.engine_cfgs and self.sync is None:
             self.sync = TensorWeightSync()
 
-    def extra_resources(self) -> dict[str, float]:
-        need = self.reward_cfg.resources()
-        for cfg in self.engine_cfgs.values():
-            for key, value in cfg.resources().items():
-                need[key] = need.get(key, 0.0) + value
-        return need
+    def engine_configs(self) -> dict[str, DedicatedRollout]:
+        return dict(self.engine_cfgs)  # one per side that an engine app rolls out
 
     def is_demo(self) -> bool:
         return any(bool(getattr(c, "is_demo", False)) for c in self.bundle_cfgs.values())

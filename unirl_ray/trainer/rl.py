@@ -161,14 +161,19 @@ class RLTrainer(BaseTrainer):
 
     def extra_resources(self) -> dict[str, float]:
         need = self.reward_cfg.resources()
-        for key, value in (self.dedicated.resources() if self.dedicated else {}).items():
-            need[key] = need.get(key, 0.0) + value
+        for cfg in self.engine_configs().values():
+            for key, value in cfg.resources().items():
+                need[key] = need.get(key, 0.0) + value
         return need
 
     # -------------------------------------------------------------- services
+    def engine_configs(self) -> dict[str, DedicatedRollout]:
+        """The rollout engine apps this run deploys or attaches to, by name (empty when the train ranks roll
+        out): their replicas count in ``extra_resources``, and the driver reaches them through Serve."""
+        return {"rollout": self.dedicated} if self.dedicated is not None else {}
+
     def driver_libraries(self) -> tuple[str, ...]:
-        engines = self.dedicated is not None or bool(getattr(self, "engine_cfgs", None))  # (PE, unified: per side)
-        serve = engines or self.reward_cfg.uses_serve()
+        serve = bool(self.engine_configs()) or self.reward_cfg.uses_serve()
         return (*super().driver_libraries(), *(("serve",) if serve else ()))
 
     def start_services(self) -> None:

@@ -201,12 +201,8 @@ class UnifiedModelTrainer(RLTrainer):
             self.sync = TensorWeightSync()
         return pair
 
-    def extra_resources(self) -> dict[str, float]:
-        need = super().extra_resources()
-        for cfg in getattr(self, "engine_cfgs", {}).values():
-            for key, value in cfg.resources().items():
-                need[key] = need.get(key, 0.0) + value
-        return need
+    def engine_configs(self) -> dict[str, Any]:
+        return {**super().engine_configs(), **self.engine_cfgs}  # the engine pair, one app per stage
 
     # ------------------------------------------------------- the engine pair
     def rank_sections(self, *, rollout: bool = True) -> dict[str, Any]:

@@ -31,7 +31,10 @@ def test_the_next_command_waits_for_the_write_and_a_hung_one_times_out():
     _Writing.current = _Writing("checkpoint_000002", lambda: stuck.wait(30))
     with pytest.raises(TimeoutError, match="checkpoint_000002 was not written within 0s"):
         _Writing.join(0.2)
+    assert _Writing.current is not None  # still this rank's: the next command waits for it again
     stuck.set()
+    _Writing.join(10)
+    assert _Writing.current is None
 
 
 def test_only_marked_checkpoint_folders_count_and_deleting_one_drops_its_marker_first(tmp_path):
@@ -64,8 +67,8 @@ class _Rank:
 
     policy_version = 0
 
-    def __init__(self, value=0):
-        self.value = value
+    def __init__(self, value=0, file="value"):
+        self.value, self.file = value, file
 
     def save(self, directory):
         meta, write = self.save_async(directory)
@@ -79,7 +82,7 @@ class _Rank:
         staged = self.value
 
         def write():
-            with open(os.path.join(directory, "value"), "w") as f:
+            with open(os.path.join(directory, self.file), "w") as f:
                 f.write(str(staged))
 
         return {"value": staged}, write
@@ -87,9 +90,9 @@ class _Rank:
     def load(self, directory, meta):
         import os
 
-        with open(os.path.join(directory, "value")) as f:
+        with open(os.path.join(directory, self.file)) as f:
             self.value = int(f.read())
-        assert meta == {"value": self.value}
+        assert self.file != "value" or meta == {"value": self.value}  # (the state is rank 0's)
 
 
 @pytest.mark.parametrize("uri", [False, True], ids=["folder", "uri"])
@@ -143,3 +146,48 @@ def test_save_commits_prunes_clears_a_left_slot_and_restore_loads_the_newest(tmp
     step, state = w._restore(resumed)
     assert (step, resumed.value, state["step"]) == (4, 4, 4)
     assert leftovers() == before  # the local folders of the URI branch are gone
+
+
+class _FailingRank(_Rank):
+    def save(self, directory):
+        raise OSError(28, "No space left on device")
+
+
+def _two_ranks_save(root):
+    import types
+
+    import ray.train
+    import torch.distributed as dist
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    from unirl_ray.runtime import worker as w
+
+    rank = dist.get_rank()
+    storage = StorageContext(root, "run")
+    ray.train.get_context = lambda: types.SimpleNamespace(get_storage=lambda: storage)
+    ray.train.get_checkpoint = lambda: None
+    out = {}
+    payload = {"step": 1, "controller": {}, "asynchronous": False, "keep": None}
+    try:  # rank 1 cannot write its shards: both ranks raise at once, nothing is committed
+        w._save(_FailingRank(1, f"value{rank}") if rank == 1 else _Rank(1, f"value{rank}"), payload, rank, 60)
+    except Exception as exc:  # noqa: BLE001
+        out["failed"] = f"{type(exc).__name__}: {exc}"
+    payload = {"step": 2, "controller": {}, "asynchronous": True, "keep": None}
+    w._save(_Rank(10 + rank, f"value{rank}"), payload, rank, 60)
+    w._Writing.join(60)
+    resumed = _Rank(0, f"value{rank}")
+    out["restored"] = w._restore(resumed)[0], resumed.value
+    return out
+
+
+def test_a_rank_that_fails_its_write_fails_the_save_on_every_rank_and_commits_nothing(tmp_path):
+    from _dist import run_ranks
+
+    from unirl_ray.runtime.worker import COMMIT_FILE
+
+    ranks = run_ranks(_two_ranks_save, str(tmp_path))
+    assert "OSError" in ranks[1]["failed"] and "No space left" in ranks[1]["failed"]
+    assert "another rank failed to write its shards" in ranks[0]["failed"]
+    assert not (tmp_path / "run" / "checkpoint_000001" / COMMIT_FILE).exists()
+    assert (tmp_path / "run" / "checkpoint_000002" / COMMIT_FILE).is_file()
+    assert [r["restored"] for r in ranks] == [(2, 10), (2, 11)]  # the checkpoint rank 0 chose, each its shard

@@ -76,6 +76,7 @@ class TrainGroup:
             "log_level": logging.getLevelName(logging.getLogger().level),
             "worker_niceness": ray_cfg.worker_niceness,
             "has_datasets": bool(datasets),
+            "save_timeout_s": ray_cfg.command_timeout_s,  # the longest a save waits for the previous one's write
         }
         self._thread: threading.Thread | None = None
         self._fit_error: BaseException | None = None

@@ -64,9 +64,9 @@ def read_checkpoint_state(directory: str, name: str | None = None) -> dict[str, 
     ``name`` is how the folder is named in messages (its storage path; default ``directory``).
     """
     where = name or directory
-    fix = (f"the checkpoint {where} is damaged ({{}}). Ray Train resumes from its latest checkpoint, so this "
-           "run cannot resume as is: restore the folder from a backup, or start over with a new "
-           "trainer.run_name (or after deleting the run folder)")
+    fix = (f"the checkpoint {where} is damaged ({{}}). A run resumes from its newest committed checkpoint, so this "
+           f"run cannot resume as is: restore the folder from a backup, delete its {COMMIT_FILE} to resume from "
+           "the checkpoint before it, or start over with a new trainer.run_name (or after deleting the run folder)")
     path = os.path.join(directory, STATE_FILE)
     try:
         with open(path, encoding="utf-8") as f:
@@ -97,21 +97,32 @@ def committed_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
 
 def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
     """Load the newest committed checkpoint of the run (``_save``'s, or one Ray Train registered: a run
-    checkpointed before this project committed its own); ``(0, None)`` for a new run."""
+    checkpointed before this project committed its own); ``(0, None)`` for a new run. Rank 0 chooses and
+    every rank loads its choice (a listing on another node may lag behind a commit)."""
     storage = ray.train.get_context().get_storage()
     own = committed_checkpoints(storage.storage_filesystem, storage.experiment_fs_path)
-    checkpoint = ray.train.Checkpoint(own[-1][1], filesystem=storage.storage_filesystem) if own else None
     registered = ray.train.get_checkpoint()
+    choice = own[-1][1] if own else None
     if registered is not None:
         match = _CHECKPOINT_NAME.match(posixpath.basename(registered.path.rstrip("/")))
-        if checkpoint is None or (match is not None and int(match.group(1)) > own[-1][0]):
-            checkpoint = registered
-    if checkpoint is None:
+        if choice is None or (match is not None and int(match.group(1)) > own[-1][0]):
+            choice = _REGISTERED
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        box = [choice]
+        torch.distributed.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if choice is None:
         return 0, None
+    checkpoint = registered if choice == _REGISTERED else ray.train.Checkpoint(choice, filesystem=storage.storage_filesystem)
+    if checkpoint is None:
+        raise RuntimeError("rank 0 resumes from the checkpoint Ray Train registered, which this rank was not given")
     with checkpoint.as_directory() as directory:
         state = read_checkpoint_state(directory, name=checkpoint.path)
         worker.load(os.path.join(directory, SHARDS_DIR), state["backend"])
     return int(state["step"]), state
+
+
+_REGISTERED = "<the checkpoint Ray Train registered>"
 
 
 class _Writing:
@@ -134,16 +145,33 @@ class _Writing:
 
     @classmethod
     def join(cls, timeout_s: float) -> None:
-        """Wait for this rank's asynchronous checkpoint (if any) to be written and committed; raise its error."""
-        writing, cls.current = cls.current, None
+        """Wait for this rank's asynchronous checkpoint (if any) to be written and committed; raise its error
+        (``CheckpointWriteError``). One still running after ``timeout_s`` stays this rank's current one."""
+        writing = cls.current
         if writing is None:
             return
         writing.thread.join(timeout_s)
         if writing.thread.is_alive():
             raise TimeoutError(f"checkpoint {writing.name} was not written within {timeout_s:.0f}s")
+        cls.current = None
         if writing.error is not None:
-            raise RuntimeError(f"writing checkpoint {writing.name} failed: {type(writing.error).__name__}: "
-                               f"{writing.error}") from writing.error
+            raise CheckpointWriteError(f"writing checkpoint {writing.name} failed: {type(writing.error).__name__}: "
+                                       f"{writing.error}") from writing.error
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint a rank wrote in the background failed. It ends the rank (``worker_main`` lets it out), so
+    Ray Train restarts the worker group from the last committed checkpoint, as far as ``ray.max_failures``
+    allows, as a failed write always did."""
+
+
+def _agree(group: Any, ok: bool) -> bool:
+    """Whether every rank's ``ok`` is true (all of them learn it: no rank waits on one that failed)."""
+    if group is None:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _delete_checkpoint(fs: Any, path: str) -> None:
@@ -174,24 +202,41 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
     storage = ray.train.get_context().get_storage()
     fs, name = storage.storage_filesystem, f"checkpoint_{step:06d}"
     dest = posixpath.join(storage.experiment_fs_path, name)
-    if rank == 0:  # what a killed job left in this slot (never committed, or the run resumed from before it)
-        _delete_checkpoint(fs, dest)
     group = dcp_io.checkpoint_group()  # collective the first time: every rank is here
-    if group is not None:
-        torch.distributed.barrier(group=group)  # no rank writes into the slot before it is cleared
+    failed: BaseException | None = None
+    if rank == 0:  # what a killed job left in this slot (never committed, or the run resumed from before it)
+        try:
+            _delete_checkpoint(fs, dest)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
+            failed = exc
+    if not _agree(group, failed is None):  # no rank writes into the slot before it is cleared
+        raise RuntimeError(f"checkpoint {name}: rank 0 could not clear {dest}: {failed!r}") from failed
     # a local (or mounted, shared) storage folder is written in place; a URI through a local folder first
     direct = isinstance(fs, pyarrow.fs.LocalFileSystem)
     tmp = dest if direct else tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
 
-    def store_and_commit(meta: dict[str, Any], folder: str) -> str:
-        if rank == 0:
-            state = {"step": step, "backend": meta, "controller": payload["controller"]}
-            with open(os.path.join(folder, STATE_FILE), "w") as f:
-                json.dump(state, f)
-        if not direct:
-            storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(folder), name)
-        if group is not None:
-            torch.distributed.barrier(group=group)  # every rank's shards are in storage
+    def store_and_commit(meta: dict[str, Any], folder: str, failed: BaseException | None = None) -> str:
+        try:
+            if failed is None and rank == 0:
+                state = {"step": step, "backend": meta, "controller": payload["controller"]}
+                with open(os.path.join(folder, STATE_FILE), "w") as f:
+                    json.dump(state, f)
+            if failed is None and not direct:
+                storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(folder), name)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
+            failed = exc
+        if not _agree(group, failed is None):  # every rank's shards are in storage, or none commits
+            if failed is not None:
+                raise failed
+            raise RuntimeError(f"checkpoint {name} is not committed: another rank failed to write its shards")
+        # every rank sees rank 0's state file: the storage is one (a local storage_path on several nodes is not)
+        seen = fs.get_file_info(posixpath.join(dest, STATE_FILE)).type == pyarrow.fs.FileType.File
+        if not _agree(group, seen):
+            raise RuntimeError(
+                f"checkpoint {name}: " + (f"this rank does not see {posixpath.join(dest, STATE_FILE)}" if not seen
+                                          else "a rank does not see the checkpoint rank 0 wrote") +
+                ": trainer.storage_path must be one storage every node of the run reaches (a shared folder or a "
+                "URI such as s3://...), not a local folder of each node")
         if rank == 0:
             with fs.open_output_stream(posixpath.join(dest, COMMIT_FILE)) as f:
                 f.write(json.dumps({"step": step}).encode())
@@ -204,13 +249,21 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
     t0 = time.perf_counter()
     try:
         if payload.get("asynchronous") and hasattr(worker, "save_async"):
-            meta, write = worker.save_async(os.path.join(tmp, SHARDS_DIR))
+            try:
+                meta, write = worker.save_async(os.path.join(tmp, SHARDS_DIR))
+            except Exception as exc:  # noqa: BLE001 - the other ranks' threads learn it (and so does this one)
+                store_and_commit({}, tmp, exc)
+                raise
             staged = time.perf_counter()
 
             def write_and_commit(folder: str = tmp) -> None:
                 try:
-                    write()
-                    store_and_commit(meta, folder)
+                    failed = None
+                    try:
+                        write()
+                    except Exception as exc:  # noqa: BLE001 - the other ranks learn it in store_and_commit
+                        failed = exc
+                    store_and_commit(meta, folder, failed)
                 finally:
                     if not direct:
                         shutil.rmtree(folder, ignore_errors=True)
@@ -219,9 +272,13 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
             tmp = None  # the thread owns it now
             return {"step": step, "path": None, "name": name, "write_s": staged - t0, "report_s": 0.0,
                     "commit_wait_s": previous_wait}
-        meta = worker.save(os.path.join(tmp, SHARDS_DIR))
+        failed = None
+        try:
+            meta = worker.save(os.path.join(tmp, SHARDS_DIR))
+        except Exception as exc:  # noqa: BLE001 - every rank learns it in store_and_commit, which raises it here
+            meta, failed = {}, exc
         written_at = time.perf_counter()
-        path = store_and_commit(meta, tmp)
+        path = store_and_commit(meta, tmp, failed)
         return {"step": step, "path": path if rank == 0 else None, "name": name, "write_s": written_at - t0,
                 "report_s": time.perf_counter() - written_at, "commit_wait_s": previous_wait}
     finally:
@@ -300,6 +357,9 @@ def worker_main(config: dict[str, Any]) -> None:
             payload = unpack(cmd["payload"])
             result = _dispatch(worker, cmd["op"], payload, rank, float(config.get("save_timeout_s", 300)))
             result = pack(result)  # inline when small, else through the object store
+        except CheckpointWriteError:
+            log.exception("rank %d: a checkpoint written in the background failed; ending the rank", rank)
+            raise
         except Exception as exc:
             log.exception("rank %d failed on %s", rank, cmd["op"])
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

@@ -13,8 +13,8 @@ hits every side alike:
 
 Per side: the median wall seconds per step (the step, its MLflow logging and its checkpoint, as ``fit``
 runs them), its ratio to ``none``, and the medians of the save's phases as the step saw them (``write``: the
-DCP shards and the controller state to a local folder, for async the copy to memory only; ``report``: the
-copy into the run's storage and the commit, for async in the background; ``commit``: waiting for the
+DCP shards written into the run's storage folder, for async the copy to memory only; ``report``: the state
+file, the ranks' agreement and the commit marker, for async in the background; ``commit``: waiting for the
 previous asynchronous checkpoint's commit).
 
     python bench/checkpoint_cost.py                       # every step; 3 blocks of 5 steps per side, after 2 warm-up

@@ -1,5 +1,5 @@
-"""Exact resume and restart of the AR trainer through Ray Train checkpoints (``ray.train.report`` + DCP
-shards) on CPU, 2 FSDP2 ranks over gloo, on a simulated multi-node cluster (``ray.cluster_utils.Cluster``: a
+"""Exact resume and restart of the AR trainer from its committed checkpoints (DCP shards in the run's storage,
+marked by rank 0) on CPU, 2 FSDP2 ranks over gloo, on a simulated multi-node cluster (``ray.cluster_utils.Cluster``: a
 head, three nodes with one CPU and one ``train`` resource each, and a ``services`` node for the Serve apps).
 The ranks run on two different train nodes (``placement_strategy: STRICT_SPREAD``), the dedicated rollout
 engine and the reward app on the services node, the run's own control actors (command broker, weight store) on

@@ -46,7 +46,9 @@ _CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
 DEFAULT_RANK_CLASS = "unirl_ray.train.rank.StackWorker"
 """What a train rank builds unless the trainer names another class (``TrainGroup(rank_class=...)``): an
 object built as ``cls(sections, topology=, device=, open_shard=)`` with ``save``, ``load``,
-``policy_version`` and its commands marked ``@operation`` (``runtime.operations``)."""
+``policy_version`` and its commands marked ``@operation`` (``runtime.operations``); with ``save_async``
+(``StackWorker.save_async``) too, its asynchronous checkpoints are written in the background, else in the
+save command."""
 
 
 def _device(use_gpu: bool) -> torch.device:
@@ -174,6 +176,9 @@ def _agree(group: Any, ok: bool) -> bool:
     return bool(flag.item())
 
 
+_STORAGE_SHARED = False  # every rank of this group saw rank 0's files in the run's storage (the first save)
+
+
 def _delete_checkpoint(fs: Any, path: str) -> None:
     """Remove a checkpoint folder from storage, its commit marker first (a folder half deleted is never
     taken for a complete one)."""
@@ -188,7 +193,8 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
     """Collective checkpoint of step ``payload["step"]``: every rank writes its DCP shards (and rank 0 the
     controller state) into the run's storage (``checkpoint_<step>/`` in Ray Train's storage context: in
     place in a local or mounted folder; to a local folder first, then copied, for a URI); once every rank's
-    are there (a barrier), rank 0 writes ``COMMIT_FILE`` into it: only then is it committed, and only a committed checkpoint is ever loaded
+    are there (the ranks agree, ``_agree``: a failure on one fails the save on all), rank 0 writes
+    ``COMMIT_FILE`` into it: only then is it committed, and only a committed checkpoint is ever loaded
     (``_restore``). Rank 0 then deletes the committed checkpoints beyond ``payload["keep"]`` (None: keeps all).
 
     ``payload["asynchronous"]`` (with a rank object that has ``save_async``): return once this rank's shards
@@ -210,12 +216,14 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
         except Exception as exc:  # noqa: BLE001 - every rank learns it below
             failed = exc
     if not _agree(group, failed is None):  # no rank writes into the slot before it is cleared
-        raise RuntimeError(f"checkpoint {name}: rank 0 could not clear {dest}: {failed!r}") from failed
+        raise RuntimeError(f"checkpoint {name}: rank 0 could not clear {dest}"
+                           + (f": {type(failed).__name__}: {failed}" if failed is not None else "")) from failed
     # a local (or mounted, shared) storage folder is written in place; a URI through a local folder first
     direct = isinstance(fs, pyarrow.fs.LocalFileSystem)
     tmp = dest if direct else tempfile.mkdtemp(prefix=f"unirl_ckpt_{step}_")
 
     def store_and_commit(meta: dict[str, Any], folder: str, failed: BaseException | None = None) -> str:
+        global _STORAGE_SHARED
         try:
             if failed is None and rank == 0:
                 state = {"step": step, "backend": meta, "controller": payload["controller"]}
@@ -229,14 +237,16 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
             if failed is not None:
                 raise failed
             raise RuntimeError(f"checkpoint {name} is not committed: another rank failed to write its shards")
-        # every rank sees rank 0's state file: the storage is one (a local storage_path on several nodes is not)
-        seen = fs.get_file_info(posixpath.join(dest, STATE_FILE)).type == pyarrow.fs.FileType.File
-        if not _agree(group, seen):
+        # once per process: every rank sees rank 0's state file, so the storage is one (a local storage_path on
+        # several nodes is not); the ranks save together, so they all make this check at the same save
+        seen = _STORAGE_SHARED or fs.get_file_info(posixpath.join(dest, STATE_FILE)).type == pyarrow.fs.FileType.File
+        if not _STORAGE_SHARED and not _agree(group, seen):
             raise RuntimeError(
                 f"checkpoint {name}: " + (f"this rank does not see {posixpath.join(dest, STATE_FILE)}" if not seen
                                           else "a rank does not see the checkpoint rank 0 wrote") +
                 ": trainer.storage_path must be one storage every node of the run reaches (a shared folder or a "
                 "URI such as s3://...), not a local folder of each node")
+        _STORAGE_SHARED = True
         if rank == 0:
             with fs.open_output_stream(posixpath.join(dest, COMMIT_FILE)) as f:
                 f.write(json.dumps({"step": step}).encode())

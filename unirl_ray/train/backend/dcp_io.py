@@ -82,7 +82,7 @@ _GROUP: list[Any] = []  # this process's checkpoint process group, once made
 def checkpoint_group() -> Any:
     """A gloo process group over every rank, for the checkpoint's own collectives (``save_staged`` from a
     background thread, whose planning then never interleaves with the training's on the default group, and
-    the commit's barriers); None when this process is not distributed. Collective the first time: every
+    the ranks' agreement before a commit); None when this process is not distributed. Collective the first time: every
     rank makes it in the same call (a save)."""
     import torch.distributed as dist
 

@@ -1,6 +1,6 @@
 """save()/load(): an exact resume (weights, optimizer, EMA shadows, per-rank RNG, schedule) on
-2 gloo ranks, also from a save_async whose ranks train on while it writes, and a 2-rank checkpoint
-continued on 1 rank (DCP resharding)."""
+1 and 2 gloo ranks (one rank writes without DCP's plan exchange), also from a save_async whose ranks train
+on while it writes, and a 2-rank checkpoint continued on 1 rank and a 1-rank one on 2 (DCP resharding)."""
 
 import json
 import logging
@@ -85,15 +85,16 @@ def _exact_resume_rank(directory, asynchronous=False):
             "rng_restored": rng_restored, "n_compared": len(a)}
 
 
+@pytest.mark.parametrize("world_size", [1, 2], ids=["1rank", "2ranks"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "save_async"])
-def test_exact_resume_two_ranks_is_bit_identical(tmp_path, asynchronous):
-    for result in run_ranks(_exact_resume_rank, str(tmp_path / "ck"), asynchronous):
+def test_exact_resume_is_bit_identical(tmp_path, asynchronous, world_size):
+    for result in run_ranks(_exact_resume_rank, str(tmp_path / "ck"), asynchronous, world_size=world_size):
         assert result["keys_equal"] and result["n_compared"] > 20
         assert result["mismatched"] == []
         assert result["rng_differed"] and result["rng_restored"]
 
 
-def _save_for_one_rank(directory):
+def _save_and_continue(directory):
     backend = make_backend(**_configs())
     _run(backend, 0, K, noise=False)
     meta = backend.save(directory)
@@ -104,7 +105,7 @@ def _save_for_one_rank(directory):
 
 def test_two_rank_checkpoint_continues_on_one_rank(tmp_path):
     directory = str(tmp_path / "ck")
-    ranks = run_ranks(_save_for_one_rank, directory)
+    ranks = run_ranks(_save_and_continue, directory)
     assert ranks[0]["meta"]["world_size"] == 2
     one = make_backend(**_configs())  # no process group: the unsharded module loads the 2-rank shards
     one.load(directory, ranks[0]["meta"])
@@ -118,6 +119,28 @@ def test_two_rank_checkpoint_continues_on_one_rank(tmp_path):
     for name, value in one.mirror_ema.shadow.items():
         torch.testing.assert_close(value, ranks[0]["shadows"][name], rtol=1e-5, atol=1e-6, msg=name)
     assert one.optimizer_steps == N and one.adapter_ema.updates == N and one.mirror_ema.updates == N
+
+
+def _load_and_continue(directory, meta):
+    backend = make_backend(**_configs())
+    backend.load(directory, meta)
+    _run(backend, K, N, noise=False)
+    return {"params": full_params(backend), "shadows": {k: full(v) for k, v in backend.mirror_ema.shadow.items()},
+            "counters": (backend.optimizer_steps, backend.adapter_ema.updates, backend.mirror_ema.updates)}
+
+
+def test_one_rank_checkpoint_continues_on_two_ranks(tmp_path):
+    """A checkpoint of a process group of one (written without DCP's plan exchange) is a DCP checkpoint like
+    any other: two ranks load their shards of it."""
+    directory = str(tmp_path / "ck")
+    one = run_ranks(_save_and_continue, directory, world_size=1)[0]
+    assert one["meta"]["world_size"] == 1
+    for rank in run_ranks(_load_and_continue, directory, json.loads(json.dumps(one["meta"]))):
+        for name, value in rank["params"].items():  # fp32 rounding apart, as above
+            torch.testing.assert_close(value, one["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+        for name, value in rank["shadows"].items():
+            torch.testing.assert_close(value, one["shadows"][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert rank["counters"] == (N, N, N)
 
 
 def test_checkpoint_without_ema_restarts_the_ema_from_loaded_weights(tmp_path, caplog):

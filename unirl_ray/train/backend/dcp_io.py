@@ -73,7 +73,15 @@ def _check_tensors_only(tree: Any, path: str = "") -> None:
 def save(state: dict[str, Any], directory: str) -> None:
     """Collective: every rank writes its shards of ``state`` (tensors only) under ``directory``."""
     _check_tensors_only(state)
-    dcp.save(state, checkpoint_id=directory)
+    dcp.save(state, checkpoint_id=directory, no_dist=_one_rank())
+
+
+def _one_rank(group: Any = None) -> bool:
+    """Whether a DCP collective over ``group`` (default: the default group) has one rank: DCP's plan exchange
+    between ranks is then pure overhead (a third of a small model's save: ~6 of ~20 ms of CPU here)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
 
 
 _GROUP: list[Any] = []  # this process's checkpoint process group, once made
@@ -110,7 +118,11 @@ def save_staged(staged: dict[str, Any], directory: str) -> None:
     """Collective over ``checkpoint_group()``: write ``stage``'s copy under ``directory`` (from a background
     thread while the training runs collectives of its own on the default group). The ranks write their
     staged states in the same order (one thread per rank, one save after another)."""
-    dcp.save(staged, checkpoint_id=directory, process_group=checkpoint_group())
+    group = checkpoint_group()
+    if _one_rank(group):
+        dcp.save(staged, checkpoint_id=directory, no_dist=True)
+    else:
+        dcp.save(staged, checkpoint_id=directory, process_group=group)
 
 
 def load(state: dict[str, Any], directory: str) -> None:

@@ -235,6 +235,43 @@ def test_metrics_are_written_in_the_background_in_order_and_flushed_by_end(store
     direct.end()
 
 
+def test_the_writer_sends_the_steps_of_a_batch_window_in_one_call(store) -> None:
+    """``metrics_batch_s``: the steps logged within the window go to MLflow in one call, in order, once the
+    window ends (nobody has to flush) or at a flush; records bigger than MLflow's batch limit are split."""
+    import time
+
+    import unirl_ray.tracking.mlflow_tracker as mt
+
+    root, client = store
+    tracker = MLflowTracker(TrackingConfig(experiment_name="batched", metrics_batch_s=0.5))
+    run_id = tracker.start(str(root), "batched")
+    calls, original = [], tracker._client.log_batch
+
+    def counted(run, metrics=(), **kwargs):
+        calls.append(sorted({m.step for m in metrics}))
+        return original(run, metrics=metrics, **kwargs)
+
+    tracker._client.log_batch = counted
+    for step in range(4):
+        tracker.log_metrics({"reward/mean": float(step), "loss": -float(step)}, step=step)
+    time.sleep(0.2)
+    assert calls == []  # inside the window: held
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:  # the window ends: written without a flush
+        time.sleep(0.05)
+    assert calls == [[0, 1, 2, 3]]
+    for step in range(4, 7):
+        tracker.log_metrics({"reward/mean": float(step)}, step=step)
+    assert tracker.flush() and calls == [[0, 1, 2, 3], [4, 5, 6]]  # a flush sends the open batch at once
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [(s, float(s)) for s in range(7)]
+    wide = {f"m{i}": float(i) for i in range(mt._METRICS_PER_BATCH // 2 + 1)}
+    for step in (7, 8):
+        tracker.log_metrics(wide, step=step)
+    tracker.end()
+    assert calls[2:] == [[7, 8], [8]]  # 2 x 501 metrics: two calls of at most 1000
+    assert len(client.get_metric_history(run_id, "m500")) == 2
+
+
 def test_a_writer_that_never_frees_room_costs_records_their_mlflow_copy_not_the_run(store, monkeypatch) -> None:
     """With the queue full for longer than the bound (a write hangs), ``log_metrics`` returns after the bound and
     the record goes to the local fallback file; ``flush`` says it timed out instead of hanging."""
@@ -247,7 +284,7 @@ def test_a_writer_that_never_frees_room_costs_records_their_mlflow_copy_not_the_
     root, _ = store
     monkeypatch.setattr(mt, "MAX_QUEUED_WRITES", 1)
     monkeypatch.setattr(mt, "FLUSH_TIMEOUT_S", 0.3)
-    tracker = MLflowTracker(TrackingConfig(experiment_name="background"))
+    tracker = MLflowTracker(TrackingConfig(experiment_name="background", metrics_batch_s=0))  # each step a write
     tracker.start(str(root), "stuck")
     gate = threading.Event()
     tracker._client.log_batch = lambda *a, **k: gate.wait(30)

@@ -124,6 +124,12 @@ class CommandBroker:
             self.queues[rank].put_nowait({"id": cmd_id, "op": op, "payload": payload})
         return cmd_id
 
+    async def submit_and_collect(self, op: str, payloads: list[Any], timeout_s: float) -> tuple[int, list[Any] | None]:
+        """``submit`` then ``collect`` in one call (one round trip less per command): the command id and the
+        results, or None when they are not all in after ``timeout_s`` (``collect`` goes on waiting)."""
+        cmd_id = await self.submit(op, payloads)
+        return cmd_id, await self.collect(cmd_id, timeout_s)
+
     async def collect(self, cmd_id: int, timeout_s: float) -> list[Any] | None:
         """All ranks' results of ``cmd_id`` once complete (then forgotten), else ``None`` after the timeout."""
         async with self.changed:

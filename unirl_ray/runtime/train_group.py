@@ -165,15 +165,15 @@ class TrainGroup:
         if not isinstance(payloads, list):
             payloads = [payloads] * self.world_size
         boxes = [pack(p) for p in payloads]
-        cmd_id = ray.get(self.broker.submit.remote(op, boxes), timeout=30)
         deadline = time.monotonic() + (timeout_s or self.ray_cfg.command_timeout_s)
+        cmd_id, results = ray.get(self.broker.submit_and_collect.remote(op, boxes, 1.0), timeout=60)
         while True:
-            results = ray.get(self.broker.collect.remote(cmd_id, 1.0), timeout=60)
             if results is not None:
                 return self._unwrap(op, results)
             self._check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"train workers did not finish {op!r} within {timeout_s or self.ray_cfg.command_timeout_s:.0f}s")
+            results = ray.get(self.broker.collect.remote(cmd_id, 1.0), timeout=60)
 
     def _unwrap(self, op: str, results: list[Any]) -> list[Any]:
         if any(isinstance(r, dict) and r.get("fenced") for r in results):

@@ -40,9 +40,16 @@ def test_the_next_command_waits_for_the_write_and_a_hung_one_times_out():
 def test_only_marked_checkpoint_folders_count_and_deleting_one_drops_its_marker_first(tmp_path):
     import pyarrow.fs
 
-    from unirl_ray.runtime.worker import COMMIT_FILE, _delete_checkpoint, committed_checkpoints
+    from unirl_ray.runtime.worker import COMMIT_FILE, STATE_FILE, _delete_checkpoint, checkpoint_folders, committed_checkpoints
+    from unirl_ray.trainer.base import BaseTrainer
 
     fs = pyarrow.fs.LocalFileSystem()
+    assert not BaseTrainer._has_checkpoint(str(tmp_path))
+    (tmp_path / "checkpoint_000001" / "shards").mkdir(parents=True)  # a first save killed half written
+    assert not BaseTrainer._has_checkpoint(str(tmp_path))  # the run starts over: no checkpoint to resume
+    (tmp_path / "checkpoint_000001" / STATE_FILE).write_text("{}")
+    assert BaseTrainer._has_checkpoint(str(tmp_path))  # a state file (a run from before the marker) counts
+    _delete_checkpoint(fs, str(tmp_path / "checkpoint_000001"))
     for step, marked in ((2, True), (4, False), (10, True), (6, True)):  # 4: a save a killed job left half written
         folder = tmp_path / f"checkpoint_{step:06d}"
         (folder / "shards").mkdir(parents=True)
@@ -51,6 +58,10 @@ def test_only_marked_checkpoint_folders_count_and_deleting_one_drops_its_marker_
     (tmp_path / "checkpoint_x").mkdir()
     (tmp_path / "checkpoint_000008").write_text("a file, not a folder")
     (tmp_path / "mlflow.db").write_text("")
+    (tmp_path / "checkpoint_000006" / STATE_FILE).write_text("{}")
+    assert [(f.step, f.committed, f.has_state) for f in checkpoint_folders(fs, str(tmp_path))] == [
+        (2, True, False), (4, False, False), (6, True, True), (10, True, False)]
+    assert BaseTrainer._has_checkpoint(str(tmp_path))
     found = committed_checkpoints(fs, str(tmp_path))
     assert [step for step, _ in found] == [2, 6, 10]  # numeric order, the unmarked 4 and the rest ignored
     assert found[-1][1] == str(tmp_path / "checkpoint_000010")
@@ -137,11 +148,17 @@ def test_save_commits_prunes_clears_a_left_slot_and_restore_loads_the_newest(tmp
     junk = run / "checkpoint_000004"  # a killed job's half-written save in the next slot
     (junk / "shards").mkdir(parents=True)
     (junk / "shards" / "stale").write_text("x")
+    orphan = run / "checkpoint_000000"  # ... and one of an earlier step (no state file: never a checkpoint)
+    (orphan / "shards").mkdir(parents=True)
+    legacy = run / "checkpoint_000001"  # a state file without the marker (a run from before the marker)
+    legacy.mkdir()
+    (legacy / w.STATE_FILE).write_text("{}")
     assert w._restore(_Rank()) == (3, json.loads((run / "checkpoint_000003" / w.STATE_FILE).read_text()))
     rank.value = 4
     w._save(rank, {"step": 4, "controller": {}, "asynchronous": True, "keep": None}, 0, 60)
     w._Writing.join(60)
     assert not (junk / "shards" / "stale").exists() and (junk / w.COMMIT_FILE).is_file()
+    assert not orphan.exists() and legacy.is_dir()  # the half-written earlier slot is cleared once 4 commits
     resumed = _Rank()
     step, state = w._restore(resumed)
     assert (step, resumed.value, state["step"]) == (4, 4, 4)
@@ -188,6 +205,7 @@ def test_a_rank_that_fails_its_write_fails_the_save_on_every_rank_and_commits_no
     ranks = run_ranks(_two_ranks_save, str(tmp_path))
     assert "OSError" in ranks[1]["failed"] and "No space left" in ranks[1]["failed"]
     assert "another rank failed to write its shards" in ranks[0]["failed"]
+    assert not (tmp_path / "run" / "checkpoint_000001").exists()  # rank 0 cleared the failed save's slot
     assert not (tmp_path / "run" / "checkpoint_000001" / COMMIT_FILE).exists()
     assert (tmp_path / "run" / "checkpoint_000002" / COMMIT_FILE).is_file()
     assert [r["restored"] for r in ranks] == [(2, 10), (2, 11)]  # the checkpoint rank 0 chose, each its shard

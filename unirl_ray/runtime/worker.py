@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow.fs
 import ray
@@ -85,16 +85,31 @@ def read_checkpoint_state(directory: str, name: str | None = None) -> dict[str, 
     return state
 
 
-def committed_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint folder under ``root`` (on pyarrow filesystem ``fs``) that holds
-    ``COMMIT_FILE``, oldest first."""
+class CheckpointFolder(NamedTuple):
+    step: int
+    path: str
+    committed: bool
+    """It holds ``COMMIT_FILE``: complete, and the only kind a restart or resume loads."""
+    has_state: bool
+    """It holds rank 0's ``STATE_FILE`` (a folder without one was left half written: never a checkpoint)."""
+
+
+def checkpoint_folders(fs: Any, root: str) -> list[CheckpointFolder]:
+    """Every ``checkpoint_<step>`` folder under ``root`` (on pyarrow filesystem ``fs``), oldest first."""
     infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
     folders = sorted((int(m.group(1)), info.path) for info in infos
                      if info.type == pyarrow.fs.FileType.Directory and (m := _CHECKPOINT_NAME.match(info.base_name)))
     if not folders:
         return []
-    markers = fs.get_file_info([posixpath.join(path, COMMIT_FILE) for _, path in folders])
-    return [folder for folder, marker in zip(folders, markers) if marker.type == pyarrow.fs.FileType.File]
+    files = fs.get_file_info([posixpath.join(path, name) for _, path in folders for name in (COMMIT_FILE, STATE_FILE)])
+    found = [info.type == pyarrow.fs.FileType.File for info in files]
+    return [CheckpointFolder(step, path, found[2 * i], found[2 * i + 1]) for i, (step, path) in enumerate(folders)]
+
+
+def committed_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint folder under ``root`` (on pyarrow filesystem ``fs``) that holds
+    ``COMMIT_FILE``, oldest first."""
+    return [(f.step, f.path) for f in checkpoint_folders(fs, root) if f.committed]
 
 
 def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
@@ -195,7 +210,8 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
     place in a local or mounted folder; to a local folder first, then copied, for a URI); once every rank's
     are there (the ranks agree, ``_agree``: a failure on one fails the save on all), rank 0 writes
     ``COMMIT_FILE`` into it: only then is it committed, and only a committed checkpoint is ever loaded
-    (``_restore``). Rank 0 then deletes the committed checkpoints beyond ``payload["keep"]`` (None: keeps all).
+    (``_restore``). Rank 0 then deletes the committed checkpoints beyond ``payload["keep"]`` (None: keeps all)
+    and the folders of earlier steps a killed job left half written (no state file).
 
     ``payload["asynchronous"]`` (with a rank object that has ``save_async``): return once this rank's shards
     are copied to memory; a thread writes, stores and commits them. ``wait_checkpoint`` waits for it, and
@@ -234,6 +250,11 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
         except Exception as exc:  # noqa: BLE001 - every rank learns it below
             failed = exc
         if not _agree(group, failed is None):  # every rank's shards are in storage, or none commits
+            if rank == 0:  # every rank is done with the slot: clear what the failed save left in it
+                try:
+                    _delete_checkpoint(fs, dest)
+                except Exception as exc:  # noqa: BLE001 - the next save of this step clears it again
+                    log.warning("could not clear the failed checkpoint %s: %s", dest, exc)
             if failed is not None:
                 raise failed
             raise RuntimeError(f"checkpoint {name} is not committed: another rank failed to write its shards")
@@ -250,10 +271,14 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
         if rank == 0:
             with fs.open_output_stream(posixpath.join(dest, COMMIT_FILE)) as f:
                 f.write(json.dumps({"step": step}).encode())
+            folders = checkpoint_folders(fs, storage.experiment_fs_path)
+            # slots a killed job left half written (no state file) before this step: never checkpoints
+            doomed = [f.path for f in folders if not f.committed and not f.has_state and f.step < step]
             keep = payload.get("keep")
             if keep is not None:
-                for _, old in committed_checkpoints(fs, storage.experiment_fs_path)[:-max(1, int(keep))]:
-                    _delete_checkpoint(fs, old)
+                doomed += [f.path for f in [f for f in folders if f.committed][:-max(1, int(keep))]]
+            for old in doomed:
+                _delete_checkpoint(fs, old)
         return dest
 
     t0 = time.perf_counter()

@@ -273,7 +273,16 @@ class BaseTrainer(ABC):
 
     @staticmethod
     def _has_checkpoint(run_dir: str) -> bool:
-        return os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))
+        """Whether the run folder holds a checkpoint a resume could load: a committed one, or one with rank 0's
+        state file (written by a run from before the commit marker); a folder a killed first save left half
+        written does not count (the run starts over, and may do so with a changed recipe)."""
+        if not (os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))):
+            return False  # (a new run: nothing more to import)
+        import pyarrow.fs
+
+        from unirl_ray.runtime.worker import checkpoint_folders
+
+        return any(f.committed or f.has_state for f in checkpoint_folders(pyarrow.fs.LocalFileSystem(), run_dir))
 
     def _record_recipe(self) -> None:
         """Write the recipe into the run folder while the run has no checkpoint (its first start, or a

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+
+# One rank saves without DCP's plan exchange (``no_dist``, ``_one_rank``), which DCP warns about at every save
+# as if it were a mistake ("assuming the intent is to save in a single process": it is). Only that warning.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the "
+                        "intent is to save in a single process", category=UserWarning)
 
 _ALLOWED_MODULE_PREFIXES = (
     "torch.distributed.checkpoint.metadata",

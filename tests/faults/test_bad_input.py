@@ -132,6 +132,7 @@ def test_rerunning_with_a_changed_recipe_is_refused_and_a_finished_run_does_noth
     import ray
 
     from unirl_ray.cli import run_trainer
+    from unirl_ray.runtime.worker import COMMIT_FILE
     from unirl_ray.trainer.base import FINISHED_FILE, RECIPE_FILE
     from unirl_ray.trainer.diffusion import DiffusionTrainer
 
@@ -140,7 +141,9 @@ def test_rerunning_with_a_changed_recipe_is_refused_and_a_finished_run_does_noth
     build(*where)._record_recipe()  # the first start records the recipe in the run folder
     assert (tmp_path / "r" / RECIPE_FILE).is_file()
     build(*changed).check_resumed_recipe()  # no checkpoint yet (a start that failed early): it may start over changed
-    (tmp_path / "r" / "checkpoint_000004").mkdir()  # the run has trained: its recipe is fixed now
+    (tmp_path / "r" / "checkpoint_000004").mkdir()  # a first save killed half written: still no checkpoint
+    build(*changed).check_resumed_recipe()
+    (tmp_path / "r" / "checkpoint_000004" / COMMIT_FILE).write_text("{}")  # the run has trained: its recipe is fixed now
     build(*changed)._record_recipe()  # and is not overwritten
     build(*where, "trainer.num_steps=50", "ray.scaling.num_workers=1", "tracking.log_samples_every=0",
           "stack.micro_batch_size=2").check_resumed_recipe()  # budget, resources, logging, memory knobs: fine

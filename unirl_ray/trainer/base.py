@@ -555,9 +555,7 @@ class BaseTrainer(ABC):
             f"run {cfg.run_name!r} has no checkpoint under {cfg.storage_path} to export; train it first, "
             "or export while it runs (trainer.export_dir)"
         )
-        if not is_uri(cfg.storage_path) and not (
-            os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))
-        ):
+        if not is_uri(cfg.storage_path) and not self._has_checkpoint(run_dir):
             raise ValueError(no_checkpoint)
         console(f"export: starting the train workers from the latest checkpoint of {cfg.run_name}")
         ensure_ray(self.ray_cfg)

@@ -47,7 +47,16 @@ def _state(backend):
     return out
 
 
-def _exact_resume_rank(directory, asynchronous=False):
+def _force_fsdp2():
+    """Wrap with FSDP2 on one rank too (a float32 rank alone runs unwrapped): its state dicts hold DTensors."""
+    from unirl_ray.train.backend.fsdp import FSDPBackend
+
+    FSDPBackend._shards = lambda self: self._distributed
+
+
+def _exact_resume_rank(directory, asynchronous=False, wrap=False):
+    if wrap:
+        _force_fsdp2()
     rank, _ = rank_world()
     straight = make_backend(**_configs())
     torch.manual_seed(100 + rank)  # distinct per-rank RNG streams: each rank must get its own back
@@ -85,16 +94,18 @@ def _exact_resume_rank(directory, asynchronous=False):
             "rng_restored": rng_restored, "n_compared": len(a)}
 
 
-@pytest.mark.parametrize("world_size", [1, 2], ids=["1rank", "2ranks"])
+@pytest.mark.parametrize("world_size,wrap", [(1, False), (1, True), (2, True)], ids=["1rank", "1rank-fsdp2", "2ranks"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "save_async"])
-def test_exact_resume_is_bit_identical(tmp_path, asynchronous, world_size):
-    for result in run_ranks(_exact_resume_rank, str(tmp_path / "ck"), asynchronous, world_size=world_size):
+def test_exact_resume_is_bit_identical(tmp_path, asynchronous, world_size, wrap):
+    for result in run_ranks(_exact_resume_rank, str(tmp_path / "ck"), asynchronous, wrap, world_size=world_size):
         assert result["keys_equal"] and result["n_compared"] > 20
         assert result["mismatched"] == []
         assert result["rng_differed"] and result["rng_restored"]
 
 
-def _save_and_continue(directory):
+def _save_and_continue(directory, wrap=False):
+    if wrap:
+        _force_fsdp2()
     backend = make_backend(**_configs())
     _run(backend, 0, K, noise=False)
     meta = backend.save(directory)
@@ -130,10 +141,10 @@ def _load_and_continue(directory, meta):
 
 
 def test_one_rank_checkpoint_continues_on_two_ranks(tmp_path):
-    """A checkpoint of a process group of one (written without DCP's plan exchange) is a DCP checkpoint like
-    any other: two ranks load their shards of it."""
+    """A checkpoint of a process group of one (written without DCP's plan exchange, here of an FSDP2-wrapped
+    module: DTensors) is a DCP checkpoint like any other: two ranks load their shards of it."""
     directory = str(tmp_path / "ck")
-    one = run_ranks(_save_and_continue, directory, world_size=1)[0]
+    one = run_ranks(_save_and_continue, directory, True, world_size=1)[0]
     assert one["meta"]["world_size"] == 1
     for rank in run_ranks(_load_and_continue, directory, json.loads(json.dumps(one["meta"]))):
         for name, value in rank["params"].items():  # fp32 rounding apart, as above
@@ -156,3 +167,17 @@ def test_checkpoint_without_ema_restarts_the_ema_from_loaded_weights(tmp_path, c
         head, _, leaf = name.rpartition(".")
         assert torch.equal(with_ema.mirror_ema.shadow[f"{head}.shadow_{leaf}"], p.detach())
     assert [g["lr"] for g in with_ema.optimizer.param_groups] == [g["lr"] for g in plain.optimizer.param_groups]
+
+
+def test_a_single_process_save_does_not_warn_that_it_is_single_process(tmp_path):
+    import warnings
+
+    from unirl_ray.train.backend import dcp_io
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp_io.quiet_single_process_warning()  # (as on import; pytest resets the filters per test)
+        dcp_io.save({"w": torch.ones(3)}, str(tmp_path / "ck"))
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]  # only DCP's single-process one is hidden
+

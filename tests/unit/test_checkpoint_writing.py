@@ -60,7 +60,7 @@ def test_only_marked_checkpoint_folders_count_and_deleting_one_drops_its_marker_
     (tmp_path / "mlflow.db").write_text("")
     (tmp_path / "checkpoint_000006" / STATE_FILE).write_text("{}")
     assert [(f.step, f.committed, f.has_state) for f in checkpoint_folders(fs, str(tmp_path))] == [
-        (2, True, False), (4, False, False), (6, True, True), (10, True, False)]
+        (2, True, True), (4, False, False), (6, True, True), (10, True, True)]  # (committed: stated)
     assert BaseTrainer._has_checkpoint(str(tmp_path))
     found = committed_checkpoints(fs, str(tmp_path))
     assert [step for step, _ in found] == [2, 6, 10]  # numeric order, the unmarked 4 and the rest ignored
@@ -155,6 +155,7 @@ def test_save_commits_prunes_clears_a_left_slot_and_restore_loads_the_newest(tmp
     (legacy / w.STATE_FILE).write_text("{}")
     assert w._restore(_Rank()) == (3, json.loads((run / "checkpoint_000003" / w.STATE_FILE).read_text()))
     rank.value = 4
+    monkeypatch.setattr(w, "_SWEPT", False)  # as in a new job (a process sweeps at its first commit only)
     w._save(rank, {"step": 4, "controller": {}, "asynchronous": True, "keep": None}, 0, 60)
     w._Writing.join(60)
     assert not (junk / "shards" / "stale").exists() and (junk / w.COMMIT_FILE).is_file()
@@ -168,6 +169,9 @@ def test_save_commits_prunes_clears_a_left_slot_and_restore_loads_the_newest(tmp
 class _FailingRank(_Rank):
     def save(self, directory):
         raise OSError(28, "No space left on device")
+
+    def save_async(self, directory):
+        raise MemoryError("cannot copy the shards")
 
 
 def _two_ranks_save(root):
@@ -190,6 +194,11 @@ def _two_ranks_save(root):
     except Exception as exc:  # noqa: BLE001
         out["failed"] = f"{type(exc).__name__}: {exc}"
     payload = {"step": 2, "controller": {}, "asynchronous": True, "keep": None}
+    try:  # rank 1 cannot copy its shards: no rank's thread starts writing (their collectives would not match)
+        w._save(_FailingRank(1, f"value{rank}") if rank == 1 else _Rank(1, f"value{rank}"), payload, rank, 60)
+    except Exception as exc:  # noqa: BLE001
+        out["failed_async"] = f"{type(exc).__name__}: {exc}"
+    out["writing_after_failure"] = w._Writing.current is not None
     w._save(_Rank(10 + rank, f"value{rank}"), payload, rank, 60)
     w._Writing.join(60)
     resumed = _Rank(0, f"value{rank}")
@@ -206,6 +215,8 @@ def test_a_rank_that_fails_its_write_fails_the_save_on_every_rank_and_commits_no
     assert "OSError" in ranks[1]["failed"] and "No space left" in ranks[1]["failed"]
     assert "another rank failed to write its shards" in ranks[0]["failed"]
     assert not (tmp_path / "run" / "checkpoint_000001").exists()  # rank 0 cleared the failed save's slot
+    assert "MemoryError" in ranks[1]["failed_async"] and "another rank failed to copy" in ranks[0]["failed_async"]
+    assert not ranks[0]["writing_after_failure"] and not ranks[1]["writing_after_failure"]
     assert not (tmp_path / "run" / "checkpoint_000001" / COMMIT_FILE).exists()
     assert (tmp_path / "run" / "checkpoint_000002" / COMMIT_FILE).is_file()
     assert [r["restored"] for r in ranks] == [(2, 10), (2, 11)]  # the checkpoint rank 0 chose, each its shard

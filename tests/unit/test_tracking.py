@@ -267,9 +267,35 @@ def test_the_writer_sends_the_steps_of_a_batch_window_in_one_call(store) -> None
     wide = {f"m{i}": float(i) for i in range(mt._METRICS_PER_BATCH // 2 + 1)}
     for step in (7, 8):
         tracker.log_metrics(wide, step=step)
-    tracker.end()
-    assert calls[2:] == [[7, 8], [8]]  # 2 x 501 metrics: two calls of at most 1000
+    tracker._stop_writer()  # the end sends the open batch (end() flushes first; this is the writer's own stop)
+    assert calls[2:] == [[7], [8]]  # 2 x 501 metrics: a call each (whole records, at most 1000 metrics a call)
     assert len(client.get_metric_history(run_id, "m500")) == 2
+    tracker.end()
+
+
+def test_a_batch_that_fails_part_way_buffers_only_the_steps_mlflow_did_not_take(store) -> None:
+    import unirl_ray.tracking.mlflow_tracker as mt
+
+    root, client = store
+    tracker = MLflowTracker(TrackingConfig(experiment_name="partial", metrics_batch_s=30, retry_interval_s=3600))
+    run_id = tracker.start(str(root), "partial")
+    original, calls = tracker._client.log_batch, []
+
+    def second_fails(run, metrics=(), **kwargs):
+        calls.append(metrics[0].step)
+        if len(calls) == 2:
+            raise ConnectionError("MLflow went away")
+        return original(run, metrics=metrics, **kwargs)
+
+    tracker._client.log_batch = second_fails
+    wide = {f"m{i}": float(i) for i in range(mt._METRICS_PER_BATCH - 100)}  # one step per call
+    for step in range(3):
+        tracker.log_metrics(wide, step=step)
+    assert tracker.degraded and calls == [0, 1]  # (reading `degraded` flushes)
+    assert [m.step for m in client.get_metric_history(run_id, "m0")] == [0]
+    fallback = [json.loads(line)["step"] for line in tracker.fallback_metrics_path.read_text().splitlines()]
+    assert fallback == [1, 2] and tracker.pending == 2  # not step 0 again: MLflow has it
+    tracker.end()
 
 
 def test_a_writer_that_never_frees_room_costs_records_their_mlflow_copy_not_the_run(store, monkeypatch) -> None:

@@ -91,25 +91,30 @@ class CheckpointFolder(NamedTuple):
     committed: bool
     """It holds ``COMMIT_FILE``: complete, and the only kind a restart or resume loads."""
     has_state: bool
-    """It holds rank 0's ``STATE_FILE`` (a folder without one was left half written: never a checkpoint)."""
+    """It holds rank 0's ``STATE_FILE`` (always true of a committed folder, which is not asked). An uncommitted
+    folder with one: written by a run from before the marker, or a save killed between its state file and its
+    marker; without one: a save killed (or failed) before it, never a checkpoint."""
 
 
-def checkpoint_folders(fs: Any, root: str) -> list[CheckpointFolder]:
-    """Every ``checkpoint_<step>`` folder under ``root`` (on pyarrow filesystem ``fs``), oldest first."""
+def checkpoint_folders(fs: Any, root: str, *, state: bool = True) -> list[CheckpointFolder]:
+    """Every ``checkpoint_<step>`` folder under ``root`` (on pyarrow filesystem ``fs``), oldest first.
+    ``state=False``: ``has_state`` is not asked (False for uncommitted folders: one request less per folder)."""
     infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
     folders = sorted((int(m.group(1)), info.path) for info in infos
                      if info.type == pyarrow.fs.FileType.Directory and (m := _CHECKPOINT_NAME.match(info.base_name)))
     if not folders:
         return []
-    files = fs.get_file_info([posixpath.join(path, name) for _, path in folders for name in (COMMIT_FILE, STATE_FILE)])
-    found = [info.type == pyarrow.fs.FileType.File for info in files]
-    return [CheckpointFolder(step, path, found[2 * i], found[2 * i + 1]) for i, (step, path) in enumerate(folders)]
+    marked = [i.type == pyarrow.fs.FileType.File for i in fs.get_file_info([posixpath.join(p, COMMIT_FILE) for _, p in folders])]
+    open_ = [path for (_, path), m in zip(folders, marked) if not m] if state else []
+    stated = {path for path, i in zip(open_, fs.get_file_info([posixpath.join(p, STATE_FILE) for p in open_]) if open_ else [])
+              if i.type == pyarrow.fs.FileType.File}
+    return [CheckpointFolder(step, path, m, m or path in stated) for (step, path), m in zip(folders, marked)]
 
 
 def committed_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
     """``(step, path)`` of every checkpoint folder under ``root`` (on pyarrow filesystem ``fs``) that holds
     ``COMMIT_FILE``, oldest first."""
-    return [(f.step, f.path) for f in checkpoint_folders(fs, root) if f.committed]
+    return [(f.step, f.path) for f in checkpoint_folders(fs, root, state=False) if f.committed]
 
 
 def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
@@ -204,6 +209,35 @@ def _delete_checkpoint(fs: Any, path: str) -> None:
         fs.delete_dir(path)
 
 
+def _clear_failed_slot(fs: Any, dest: str) -> None:
+    """Rank 0, once every rank has given up a save: delete what it left in its slot."""
+    try:
+        _delete_checkpoint(fs, dest)
+    except Exception as exc:  # noqa: BLE001 - the next save of this step clears the slot again
+        log.warning("could not clear the failed checkpoint %s: %s", dest, exc)
+
+
+_SWEPT = False  # this process cleared the half-written folders earlier jobs left (at its first commit)
+
+
+def _clear_old_folders(fs: Any, root: str, step: int, keep: int | None) -> None:
+    """Rank 0, after committing ``step``: delete the committed checkpoints beyond the newest ``keep`` (None:
+    none) and, once per process (only an earlier job leaves them: a save that fails clears its own slot), the
+    folders of earlier steps left half written (no state file: never a checkpoint). The checkpoint is
+    committed already: a folder that cannot be deleted is logged, not raised."""
+    global _SWEPT
+    folders = checkpoint_folders(fs, root, state=not _SWEPT) if keep is not None or not _SWEPT else []
+    doomed = [] if _SWEPT else [f.path for f in folders if not f.has_state and f.step < step]
+    _SWEPT = True
+    if keep is not None:
+        doomed += [f.path for f in [f for f in folders if f.committed][:-max(1, int(keep))]]
+    for old in doomed:
+        try:
+            _delete_checkpoint(fs, old)
+        except Exception as exc:  # noqa: BLE001 - the next commit tries again
+            log.warning("could not delete the old checkpoint folder %s: %s", old, exc)
+
+
 def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> dict[str, Any]:
     """Collective checkpoint of step ``payload["step"]``: every rank writes its DCP shards (and rank 0 the
     controller state) into the run's storage (``checkpoint_<step>/`` in Ray Train's storage context: in
@@ -211,7 +245,8 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
     are there (the ranks agree, ``_agree``: a failure on one fails the save on all), rank 0 writes
     ``COMMIT_FILE`` into it: only then is it committed, and only a committed checkpoint is ever loaded
     (``_restore``). Rank 0 then deletes the committed checkpoints beyond ``payload["keep"]`` (None: keeps all)
-    and the folders of earlier steps a killed job left half written (no state file).
+    and, at its first commit, the folders of earlier steps a killed job left half written (``_clear_old_folders``);
+    a save that fails on any rank fails on every rank, and rank 0 clears its slot.
 
     ``payload["asynchronous"]`` (with a rank object that has ``save_async``): return once this rank's shards
     are copied to memory; a thread writes, stores and commits them. ``wait_checkpoint`` waits for it, and
@@ -251,10 +286,7 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
             failed = exc
         if not _agree(group, failed is None):  # every rank's shards are in storage, or none commits
             if rank == 0:  # every rank is done with the slot: clear what the failed save left in it
-                try:
-                    _delete_checkpoint(fs, dest)
-                except Exception as exc:  # noqa: BLE001 - the next save of this step clears it again
-                    log.warning("could not clear the failed checkpoint %s: %s", dest, exc)
+                _clear_failed_slot(fs, dest)
             if failed is not None:
                 raise failed
             raise RuntimeError(f"checkpoint {name} is not committed: another rank failed to write its shards")
@@ -271,14 +303,7 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
         if rank == 0:
             with fs.open_output_stream(posixpath.join(dest, COMMIT_FILE)) as f:
                 f.write(json.dumps({"step": step}).encode())
-            folders = checkpoint_folders(fs, storage.experiment_fs_path)
-            # slots a killed job left half written (no state file) before this step: never checkpoints
-            doomed = [f.path for f in folders if not f.committed and not f.has_state and f.step < step]
-            keep = payload.get("keep")
-            if keep is not None:
-                doomed += [f.path for f in [f for f in folders if f.committed][:-max(1, int(keep))]]
-            for old in doomed:
-                _delete_checkpoint(fs, old)
+            _clear_old_folders(fs, storage.experiment_fs_path, step, payload.get("keep"))
         return dest
 
     t0 = time.perf_counter()
@@ -286,9 +311,14 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
         if payload.get("asynchronous") and hasattr(worker, "save_async"):
             try:
                 meta, write = worker.save_async(os.path.join(tmp, SHARDS_DIR))
-            except Exception as exc:  # noqa: BLE001 - the other ranks' threads learn it (and so does this one)
-                store_and_commit({}, tmp, exc)
-                raise
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below
+                failed = exc
+            if not _agree(group, failed is None):  # every rank has its copy, or no rank's thread starts writing
+                if rank == 0:
+                    _clear_failed_slot(fs, dest)
+                if failed is not None:
+                    raise failed
+                raise RuntimeError(f"checkpoint {name} is not written: another rank failed to copy its shards")
             staged = time.perf_counter()
 
             def write_and_commit(folder: str = tmp) -> None:

@@ -62,7 +62,8 @@ MAX_QUEUED_WRITES = 256
 FLUSH_TIMEOUT_S = 120.0
 """Longest ``flush()`` (and so ``end()``) waits for queued metric writes."""
 MAX_BATCHED_STEPS = 100
-"""Most steps' metrics the background writer sends in one call (``TrackingConfig.metrics_batch_s``)."""
+"""Most steps' metrics the background writer sends together (``TrackingConfig.metrics_batch_s``), in calls of
+at most MLflow's batch limit (1000 metrics)."""
 
 
 _STOP = object()  # the writer's end (``None`` on the queue)
@@ -98,9 +99,9 @@ class TrackingConfig:
     the store (a local SQLite write is ~15 ms per step). Ending the run, reading ``degraded`` / ``pending``
     and ``flush()`` wait for the queued ones. False: every ``log_metrics`` writes before it returns."""
     metrics_batch_s: float = 1.0
-    """The background writer sends the steps' metrics logged within this many seconds in one MLflow call (one
-    store transaction for several steps: about half the CPU per step of a call per step); the charts lag by at
-    most this much. 0: one call per step."""
+    """The background writer sends the steps' metrics logged within this many seconds together, in as few MLflow
+    calls as its limit of 1000 metrics per call allows (one store transaction for several steps: about a third
+    of the driver's CPU per step of a call per step); the charts lag by at most this much. 0: one call per step."""
 
     def __post_init__(self) -> None:
         if not self.retry_interval_s >= 0:
@@ -508,30 +509,39 @@ class MLflowTracker:
             return
         record = {"step": int(step), "time": time.time(), "metrics": clean}
         if self.config.background_metrics and self.config.enabled and not self._ended:
-            self._in_background(_StepMetrics(record), record)
+            self._in_background(record)
         else:
             self._write_metrics([record])
 
     def _write_metrics(self, records: list[dict[str, Any]]) -> None:
-        """Send ``log_metrics`` records (in order) to MLflow in as few calls as its batch limit allows; while it
-        is down, to the local fallback file (and the buffer that is sent when it answers again)."""
+        """Send ``log_metrics`` records (in order) to MLflow in as few calls as its batch limit allows (whole
+        records per call; a record wider than the limit in pieces of its own); while it is down, the records
+        not sent yet go to the local fallback file (and the buffer that is sent when it answers again)."""
+        unsent = list(records)  # the calls drop what MLflow took: only the rest is buffered and written locally
 
         def call() -> None:
             from mlflow.entities import Metric
 
-            items = [Metric(k, v, int(r["time"] * 1000), r["step"]) for r in records for k, v in r["metrics"].items()]
-            for start in range(0, len(items), _METRICS_PER_BATCH):
-                self._client.log_batch(self._run_id, metrics=items[start : start + _METRICS_PER_BATCH])
+            while unsent:
+                count, width = 0, 0
+                while count < len(unsent) and (count == 0 or width + len(unsent[count]["metrics"]) <= _METRICS_PER_BATCH):
+                    width += len(unsent[count]["metrics"])
+                    count += 1
+                items = [Metric(k, v, int(r["time"] * 1000), r["step"]) for r in unsent[:count]
+                         for k, v in r["metrics"].items()]
+                for start in range(0, len(items), _METRICS_PER_BATCH):
+                    self._client.log_batch(self._run_id, metrics=items[start : start + _METRICS_PER_BATCH])
+                del unsent[:count]
 
         def fallback() -> None:
-            for record in records:
+            for record in unsent:
                 self._append_jsonl(record)
 
-        self._guarded("log_metrics", call, fallback, pending=records)
+        self._guarded("log_metrics", call, fallback, pending=unsent)
 
     # ------------------------------------------------------------------ background writes
-    def _in_background(self, write: Callable[[], None] | _StepMetrics, record: dict[str, Any]) -> None:
-        """Queue ``write`` for the writer thread (started on first use). A full queue (the store is far
+    def _in_background(self, record: dict[str, Any]) -> None:
+        """Queue a step's metrics for the writer thread (started on first use). A full queue (the store is far
         behind) makes the caller wait for room, at most ``FLUSH_TIMEOUT_S``: memory stays bounded, and a
         writer stuck in a write costs this record its MLflow copy, not the run: it goes to the local
         fallback file (without the lock, which the stuck write holds)."""
@@ -541,7 +551,7 @@ class MLflowTracker:
                                             name="unirl-mlflow-writer", daemon=True)
             self._writer.start()
         try:
-            self._writes.put(write, timeout=FLUSH_TIMEOUT_S)
+            self._writes.put(_StepMetrics(record), timeout=FLUSH_TIMEOUT_S)
         except queue.Full:
             logger.warning("MLflow metric writes are %d behind for %.0fs; step %s goes to %s", MAX_QUEUED_WRITES,
                            FLUSH_TIMEOUT_S, record.get("step"), self.fallback_metrics_path)
@@ -551,9 +561,9 @@ class MLflowTracker:
                 logger.warning("cannot write the local tracking fallback: %s", exc)
 
     def _write_loop(self, writes: queue.Queue, batch_s: float) -> None:
-        """Run the queued writes in order. Step metrics are held for up to ``batch_s`` after the first of them
-        (at most ``MAX_BATCHED_STEPS``) and sent together; anything else queued behind them (a flush marker,
-        the end) sends them first."""
+        """Write the queued step metrics in order: held for up to ``batch_s`` after the first of them (at most
+        ``MAX_BATCHED_STEPS`` steps) and sent together; a flush marker (a ``threading.Event``, set once what
+        came before it is written) or the end (``None``) sends them at once."""
         batch: list[dict[str, Any]] = []
         due = 0.0
         while True:
@@ -581,13 +591,7 @@ class MLflowTracker:
                 continue
             if item is _STOP:
                 return
-            if isinstance(item, threading.Event):  # a flush marker: everything before it is written
-                item.set()
-                continue
-            try:
-                item()
-            except Exception:  # noqa: BLE001 - _guarded already degrades; never lose the writer thread
-                logger.exception("a background MLflow write failed")
+            item.set()  # a flush marker: everything before it is written
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Wait until every queued metric write is done (at most ``timeout_s``); False if it timed out."""

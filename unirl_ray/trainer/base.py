@@ -273,9 +273,10 @@ class BaseTrainer(ABC):
 
     @staticmethod
     def _has_checkpoint(run_dir: str) -> bool:
-        """Whether the run folder holds a checkpoint a resume could load: a committed one, or one with rank 0's
-        state file (written by a run from before the commit marker); a folder a killed first save left half
-        written does not count (the run starts over, and may do so with a changed recipe)."""
+        """Whether the run folder holds a checkpoint: a committed one, or one with rank 0's state file (a run from
+        before the commit marker, whose checkpoint Ray Train registered; or, rarely, a save killed between its
+        state file and its marker, which counts too); a folder a killed first save left without one does not
+        (the run starts over, and may do so with a changed recipe)."""
         if not (os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))):
             return False  # (a new run: nothing more to import)
         import pyarrow.fs

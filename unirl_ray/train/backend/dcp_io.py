@@ -16,10 +16,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-# One rank saves without DCP's plan exchange (``no_dist``, ``_one_rank``), which DCP warns about at every save
-# as if it were a mistake ("assuming the intent is to save in a single process": it is). Only that warning.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the "
-                        "intent is to save in a single process", category=UserWarning)
+
+
+def quiet_single_process_warning() -> None:
+    """One rank saves without DCP's plan exchange (``no_dist``, ``_one_rank``), which DCP warns about at every
+    save as if it were a mistake ("assuming the intent is to save in a single process": it is). Hide only that
+    warning (done on import: a filter set once, not per save from the writer thread, which would race)."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming "
+                            "the intent is to save in a single process", category=UserWarning)
+
+
+quiet_single_process_warning()
 
 _ALLOWED_MODULE_PREFIXES = (
     "torch.distributed.checkpoint.metadata",

@@ -121,6 +121,33 @@ def test_server_that_goes_away_and_comes_back_gets_the_buffered_metrics(sqlite_r
     assert [step for step, _ in local] == [1, 2, 3]  # the local copy of what MLflow missed
 
 
+def test_a_long_outage_is_sent_back_in_few_calls(sqlite_root, monkeypatch):
+    """The records buffered while MLflow was down go back together, up to its limit of 1000 metrics a call (an
+    hour's outage at 10 steps a second: ~1,300 calls, not ~36,000 with the writer held for them)."""
+    outage = _Outage(monkeypatch)
+    tracker = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=0.2, background_metrics=False))
+    run_id = tracker.start(str(sqlite_root), "long")
+    outage.down = True
+    for step in range(120):
+        tracker.log_metrics({f"m{i}": float(step) for i in range(10)}, step=step)
+    assert tracker.degraded and tracker.pending == 120
+    outage.down = False
+    calls, original = [], tracker._client.log_batch
+
+    def counted(run, **kwargs):
+        calls.append(len(kwargs.get("metrics", ())))
+        return original(run, **kwargs)
+
+    tracker._client.log_batch = counted
+    time.sleep(0.25)
+    tracker.log_metrics({"m0": 120.0}, step=120)  # the retry: the buffer first, then this step
+    assert not tracker.degraded and tracker.pending == 0
+    assert calls == [1000, 200, 1]
+    tracker.end()
+    history = MlflowClient(tracker.tracking_uri).get_metric_history(run_id, "m0")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(121)]
+
+
 def test_end_makes_a_last_attempt_and_retry_zero_stays_local(sqlite_root, monkeypatch):
     outage = _Outage(monkeypatch)
     tracker = MLflowTracker(TrackingConfig(experiment_name="outage", retry_interval_s=3600, background_metrics=False))

@@ -16,13 +16,12 @@ import json
 import logging
 import os
 import posixpath
-import re
 import shutil
 import tempfile
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple
+from typing import Any
 
 import pyarrow.fs
 import ray
@@ -30,6 +29,15 @@ import ray.train
 import torch
 
 from unirl_ray.runtime.broker import pack, unpack
+from unirl_ray.runtime.checkpoint_layout import (  # noqa: F401 - STATE_FILE, SHARDS_DIR, COMMIT_FILE: read from here too
+    CHECKPOINT_NAME as _CHECKPOINT_NAME,
+    COMMIT_FILE,
+    SHARDS_DIR,
+    STATE_FILE,
+    checkpoint_folders,
+    committed_checkpoints,
+)
+from unirl_ray.runtime.checkpoint_layout import delete_checkpoint as _delete_checkpoint
 from unirl_ray.runtime.cluster import set_niceness
 from unirl_ray.runtime.operations import dispatch
 from unirl_ray.train.backend import dcp_io
@@ -37,12 +45,6 @@ from unirl_ray.train.configs import TrainTopology
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "controller_state.json"
-SHARDS_DIR = "shards"
-COMMIT_FILE = ".unirl_committed"
-"""Written last into a checkpoint folder in the run's storage, by rank 0 once every rank's shards are there:
-the folder is complete (``_save``)."""
-_CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
 DEFAULT_RANK_CLASS = "unirl_ray.train.rank.StackWorker"
 """What a train rank builds unless the trainer names another class (``TrainGroup(rank_class=...)``): an
 object built as ``cls(sections, topology=, device=, open_shard=)`` with ``save``, ``load``,
@@ -83,38 +85,6 @@ def read_checkpoint_state(directory: str, name: str | None = None) -> dict[str, 
     if not os.path.isdir(os.path.join(directory, SHARDS_DIR)):
         raise RuntimeError(fix.format(f"its {SHARDS_DIR}/ folder is missing"))
     return state
-
-
-class CheckpointFolder(NamedTuple):
-    step: int
-    path: str
-    committed: bool
-    """It holds ``COMMIT_FILE``: complete, and the only kind a restart or resume loads."""
-    has_state: bool
-    """It holds rank 0's ``STATE_FILE`` (always true of a committed folder, which is not asked). An uncommitted
-    folder with one: written by a run from before the marker, or a save killed between its state file and its
-    marker; without one: a save killed (or failed) before it, never a checkpoint."""
-
-
-def checkpoint_folders(fs: Any, root: str, *, state: bool = True) -> list[CheckpointFolder]:
-    """Every ``checkpoint_<step>`` folder under ``root`` (on pyarrow filesystem ``fs``), oldest first.
-    ``state=False``: ``has_state`` is not asked (False for uncommitted folders: one request less per folder)."""
-    infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
-    folders = sorted((int(m.group(1)), info.path) for info in infos
-                     if info.type == pyarrow.fs.FileType.Directory and (m := _CHECKPOINT_NAME.match(info.base_name)))
-    if not folders:
-        return []
-    marked = [i.type == pyarrow.fs.FileType.File for i in fs.get_file_info([posixpath.join(p, COMMIT_FILE) for _, p in folders])]
-    open_ = [path for (_, path), m in zip(folders, marked) if not m] if state else []
-    stated = {path for path, i in zip(open_, fs.get_file_info([posixpath.join(p, STATE_FILE) for p in open_]) if open_ else [])
-              if i.type == pyarrow.fs.FileType.File}
-    return [CheckpointFolder(step, path, m, m or path in stated) for (step, path), m in zip(folders, marked)]
-
-
-def committed_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint folder under ``root`` (on pyarrow filesystem ``fs``) that holds
-    ``COMMIT_FILE``, oldest first."""
-    return [(f.step, f.path) for f in checkpoint_folders(fs, root, state=False) if f.committed]
 
 
 def _restore(worker: Any) -> tuple[int, dict[str, Any] | None]:
@@ -199,22 +169,20 @@ def _agree(group: Any, ok: bool) -> bool:
 _STORAGE_SHARED = False  # every rank of this group saw rank 0's files in the run's storage (the first save)
 
 
-def _delete_checkpoint(fs: Any, path: str) -> None:
-    """Remove a checkpoint folder from storage, its commit marker first (a folder half deleted is never
-    taken for a complete one)."""
-    marker = posixpath.join(path, COMMIT_FILE)
-    if fs.get_file_info(marker).type == pyarrow.fs.FileType.File:
-        fs.delete_file(marker)
-    if fs.get_file_info(path).type == pyarrow.fs.FileType.Directory:
-        fs.delete_dir(path)
-
-
-def _clear_failed_slot(fs: Any, dest: str) -> None:
-    """Rank 0, once every rank has given up a save: delete what it left in its slot."""
-    try:
-        _delete_checkpoint(fs, dest)
-    except Exception as exc:  # noqa: BLE001 - the next save of this step clears the slot again
-        log.warning("could not clear the failed checkpoint %s: %s", dest, exc)
+def _all_or_none(group: Any, failed: BaseException | None, rank: int, fs: Any, dest: str, others: str) -> None:
+    """The ranks agree on a phase of a save (``_agree``): if it failed on any rank, every rank raises (its own
+    error, else ``others``: what another rank failed to do) and rank 0, once every rank is done with the slot,
+    deletes what the save left in it."""
+    if _agree(group, failed is None):
+        return
+    if rank == 0:
+        try:
+            _delete_checkpoint(fs, dest)
+        except Exception as exc:  # noqa: BLE001 - the next save of this step clears the slot again
+            log.warning("could not clear the failed checkpoint %s: %s", dest, exc)
+    if failed is not None:
+        raise failed
+    raise RuntimeError(others)
 
 
 _SWEPT = False  # this process cleared the half-written folders earlier jobs left (at its first commit)
@@ -284,12 +252,8 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
                 storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(folder), name)
         except Exception as exc:  # noqa: BLE001 - every rank learns it below
             failed = exc
-        if not _agree(group, failed is None):  # every rank's shards are in storage, or none commits
-            if rank == 0:  # every rank is done with the slot: clear what the failed save left in it
-                _clear_failed_slot(fs, dest)
-            if failed is not None:
-                raise failed
-            raise RuntimeError(f"checkpoint {name} is not committed: another rank failed to write its shards")
+        # every rank's shards are in storage, or none commits
+        _all_or_none(group, failed, rank, fs, dest, f"checkpoint {name} is not committed: another rank failed to write its shards")
         # once per process: every rank sees rank 0's state file, so the storage is one (a local storage_path on
         # several nodes is not); the ranks save together, so they all make this check at the same save
         seen = _STORAGE_SHARED or fs.get_file_info(posixpath.join(dest, STATE_FILE)).type == pyarrow.fs.FileType.File
@@ -313,12 +277,8 @@ def _save(worker: Any, payload: dict[str, Any], rank: int, timeout_s: float) -> 
                 meta, write = worker.save_async(os.path.join(tmp, SHARDS_DIR))
             except Exception as exc:  # noqa: BLE001 - every rank learns it below
                 failed = exc
-            if not _agree(group, failed is None):  # every rank has its copy, or no rank's thread starts writing
-                if rank == 0:
-                    _clear_failed_slot(fs, dest)
-                if failed is not None:
-                    raise failed
-                raise RuntimeError(f"checkpoint {name} is not written: another rank failed to copy its shards")
+            # every rank has its copy, or no rank's thread starts writing (their collectives would not match)
+            _all_or_none(group, failed, rank, fs, dest, f"checkpoint {name} is not written: another rank failed to copy its shards")
             staged = time.perf_counter()
 
             def write_and_commit(folder: str = tmp) -> None:

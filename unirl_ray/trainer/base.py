@@ -278,10 +278,10 @@ class BaseTrainer(ABC):
         state file and its marker, which counts too); a folder a killed first save left without one does not
         (the run starts over, and may do so with a changed recipe)."""
         if not (os.path.isdir(run_dir) and any(n.startswith("checkpoint_") for n in os.listdir(run_dir))):
-            return False  # (a new run: nothing more to import)
+            return False  # (a new run: nothing more to ask)
         import pyarrow.fs
 
-        from unirl_ray.runtime.worker import checkpoint_folders
+        from unirl_ray.runtime.checkpoint_layout import checkpoint_folders
 
         return any(f.committed or f.has_state for f in checkpoint_folders(pyarrow.fs.LocalFileSystem(), run_dir))
 

@@ -70,6 +70,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=group)  # stable: the order within a group (and within a module) is kept
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test on ``ray_head`` reports the head's logs (its GCS, raylet and dashboard), which its temp dir
+    loses when the head stops at the end of the session."""
+    report = yield
+    head = item.funcargs.get("ray_head") if hasattr(item, "funcargs") else None
+    if head is not None and report.failed:
+        report.sections.append(("the ray_head's logs", head.logs()))
+    return report
+
+
 def _next_module_uses_ray_local(request) -> bool:
     """Whether the test after this module's last one (in run order) belongs to a module using ``ray_local``."""
     items = request.session.items

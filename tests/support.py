@@ -222,6 +222,30 @@ def free_port() -> int:
 HEAD_START_TIMEOUT_S = 180
 
 
+def head_ports(count: int) -> list[int]:
+    """``count`` different ports that nothing listens on, on any interface, from 20000-29999: above Ray's worker
+    ports (10002-19999), below the kernel's ephemeral range (32768-60999), from which every process that binds
+    port 0 (the other test lane's Ray daemons and workers) or connects gets one, so that none takes a port of
+    the head's between this check and the head's bind (a GCS sharing its port with another gRPC server through
+    SO_REUSEPORT would answer only some of its clients)."""
+    import random
+    import socket
+
+    ports: list[int] = []
+    rng = random.Random()
+    while len(ports) < count:
+        port = rng.randrange(20000, 30000)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
+
+
 def venv_bin() -> Path:
     """The folder with the venv's ``python`` and ``ray`` CLI (the head and its jobs run from it)."""
     import sys
@@ -264,10 +288,7 @@ class RayHead:
 
         stop_ray_in_this_process()
         bin_dir = venv_bin()
-        ports: list[int] = []
-        while len(ports) < 4:  # four different ones
-            ports += [port for port in [free_port()] if port not in ports]
-        gcs_port, dash_port, client_port, agent_port = ports
+        gcs_port, dash_port, client_port, agent_port = head_ports(4)
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
         env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
                    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # SIGTERM to the head: tear down at once
@@ -302,16 +323,38 @@ class RayHead:
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                pytest.fail(f"`ray start --head` exited with {self.process.returncode}:\n{self.log_path.read_text()[-5000:]}")
+                pytest.fail(f"`ray start --head` exited with {self.process.returncode}:\n{self.logs()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/api/version", timeout=5) as response:
                     if response.status == 200:
-                        return
+                        break
             except OSError:
                 pass
             time.sleep(1)
-        pytest.fail(f"the head's dashboard {self.url} did not answer within {HEAD_START_TIMEOUT_S}s:\n"
-                    f"{self.log_path.read_text()[-5000:]}")
+        else:
+            pytest.fail(f"the head's dashboard {self.url} did not answer within {HEAD_START_TIMEOUT_S}s:\n{self.logs()}")
+        from unirl_ray.runtime.cluster import wait_for_cluster
+
+        try:  # the GCS at the address a driver dials (ray.init resolves 127.0.0.1 to this node's IP)
+            wait_for_cluster(self.address, timeout_s=max(5.0, deadline - time.monotonic()))
+        except ConnectionError as exc:
+            pytest.fail(f"the head's GCS does not answer: {exc}\n{self.logs()}")
+
+    def logs(self, chars: int = 3000) -> str:
+        """The tails of ``ray start``'s output and of the head's GCS, raylet and dashboard logs."""
+        parts = [("ray start", self.log_path)]
+        session = self.temp_dir / "session_latest" / "logs"
+        parts += [(name, session / name) for name in ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err",
+                                                      "dashboard.log", "dashboard.err")]
+        out = []
+        for name, path in parts:
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                continue
+            if text.strip():
+                out.append(f"---- {name} (last {chars} characters) ----\n{text[-chars:]}")
+        return "\n".join(out) or "(no logs of the head found)"
 
     def members(self) -> list[int]:
         """Pids in the head's session (the one ``start_new_session`` made)."""

@@ -32,6 +32,9 @@ class RayConfig:
     """Longest the controller waits for one worker command (a rollout or a train step)."""
     start_timeout_s: float = 600.0
     """Longest the controller waits for the worker group to build its models and announce."""
+    connect_timeout_s: float = 60.0
+    """Longest the driver tries to reach the cluster it joins (``address`` / ``RAY_ADDRESS``) before it fails
+    with an error naming it (``ray.init`` itself would retry an unreachable cluster forever)."""
     local_num_cpus: int | None = None
     """Logical CPUs of an embedded local Ray (default: max(8, cores), so small fractional tasks never starve)."""
     check_resources: bool = True
@@ -66,6 +69,8 @@ class RayConfig:
             raise ValueError(f"ray.scaling.num_workers must be a positive integer, got {workers!r}")
         if self.max_failures < 0:
             raise ValueError(f"ray.max_failures must be >= 0, got {self.max_failures}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"ray.connect_timeout_s must be > 0 seconds, got {self.connect_timeout_s!r}")
         check_runtime_env(self.runtime_env)
 
     @property
@@ -235,6 +240,49 @@ def worker_env_vars() -> dict[str, str] | None:
     return missing or None
 
 
+def dialled_address(address: str) -> tuple[str, int] | None:
+    """The host and port ``ray.init(address)`` connects to first: the GCS (``host:port``, ``auto``: the cluster
+    ``ray start`` runs on this machine; a loopback host becomes this node's IP, as Ray resolves it) or a Ray
+    Client server (``ray://host[:10001]``); None for ``local`` (a new Ray)."""
+    if address.startswith("ray://"):
+        netloc = address[len("ray://"):].split("/", 1)[0]
+        host, sep, port = netloc.rpartition(":")
+        return (host.strip("[]"), int(port)) if sep and port.isdigit() else (netloc.strip("[]"), 10001)
+    from ray._private.services import canonicalize_bootstrap_address
+
+    canonical = canonicalize_bootstrap_address(address)  # auto with no cluster on this machine: ConnectionError
+    if canonical is None:
+        return None
+    host, _, port = canonical.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def wait_for_cluster(address: str, timeout_s: float) -> None:
+    """Return once the cluster's first port answers (a TCP connect); ConnectionError naming it after
+    ``timeout_s`` (a cluster still starting gets that long). ``ray.init`` retries an unreachable GCS forever,
+    logging a warning every few seconds: a notebook cell or a submitted job would hang with it."""
+    import socket
+    import time
+
+    target = dialled_address(address)
+    if target is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(target, timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectionError(
+                    f"cannot reach the Ray cluster at {address!r} ({target[0]}:{target[1]}) within {timeout_s:g}s: "
+                    f"{exc}. Check that it runs (`ray status --address {target[0]}:{target[1]}` on its head) and that "
+                    "this machine can reach that port; or unset ray.address and RAY_ADDRESS to start a local Ray "
+                    "(ray.connect_timeout_s sets how long to try)") from exc
+            time.sleep(min(1.0, left))
+
+
 def ensure_ray(cfg: RayConfig, prefetch: tuple[str, ...] = ()) -> str:
     """Connect to the configured cluster or start an embedded one; returns a description.
 
@@ -257,6 +305,7 @@ def ensure_ray(cfg: RayConfig, prefetch: tuple[str, ...] = ()) -> str:
         return "existing Ray session"
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
+        wait_for_cluster(address, cfg.connect_timeout_s)
         # A job's own runtime_env (e.g. `ray job submit --working-dir .`) is merged by Ray with the recipe's; the
         # train workers get the variables passed through from here in RunConfig.worker_runtime_env.
         ray.init(address=address, log_to_driver=True, runtime_env=cfg.runtime_env or None)

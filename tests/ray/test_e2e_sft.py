@@ -1,5 +1,7 @@
 """End to end on CPU for the SFT trainer: Ray Train workers (FSDP2; 2 ranks over gloo for the resume
-and kill runs) reading their shards of a Ray Data dataset, MLflow, checkpoints and export. A resumed run
+and kill runs) reading their shards of a Ray Data dataset (for the resume and kill runs read by Ray Data's
+tasks and split by Ray Train, as files beyond the driver's read size are; the others' split by the driver),
+MLflow, checkpoints and export. A resumed run
 continues with exactly the records an uninterrupted one trains on (packing and bad records included), and
 a worker killed mid-call replays the lost steps on the same records (one straight run, with that kill,
 serves both: the resume is of a copy of its storage taken after step 3, with two steps per call instead
@@ -15,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from support import ONE_WORKER, ROOT, attempts, copy_run, kill_rank, load, logged, recipe_path
 
+import unirl_ray.data.records as records_module
 from unirl_ray.train.rank import StackWorker
 from unirl_ray.runtime.worker import SHARDS_DIR, STATE_FILE
 from unirl_ray.train.configs import TrainTopology
@@ -59,12 +62,12 @@ def test_record_sources_read_jsonl_and_parquet_and_hold_out_a_fraction(ray_local
 def test_small_jsonl_files_are_read_on_the_driver_into_the_rows_and_blocks_ray_data_reads(ray_local, tmp_path,
                                                                                          monkeypatch):
     """Local .jsonl files of at most ``DRIVER_READ_BYTES`` become in-memory datasets (no read task when the
-    ranks first iterate): the same rows, in the same order and blocks (one per file: the ranks' split
-    depends on them), with and without a held-out fraction; ``DRIVER_READ_BYTES = -1`` forces Ray Data."""
+    ranks first iterate): the same rows, in the same order and blocks (one per file), with and without a
+    held-out fraction; ``DRIVER_READ_BYTES = -1`` forces Ray Data. The driver splits those over the ranks
+    itself (``split_in_memory``); Ray Train splits the others (the kill and resume runs below)."""
     import ray.data
 
-    import unirl_ray.data.records as records_module
-    from unirl_ray.data.records import RecordSource
+    from unirl_ray.data.records import RecordSource, split_in_memory
 
     folder = tmp_path / "lines"
     folder.mkdir()
@@ -93,6 +96,24 @@ def test_small_jsonl_files_are_read_on_the_driver_into_the_rows_and_blocks_ray_d
             assert blocks(on_driver["train"]) == [3, 8]  # one block per file, in the files' order
         rows = [r for ds in on_driver.values() for r in ds.take_all()]
         assert len(rows) == 11 and {r["path"] for r in rows} == {str(folder / "a.jsonl"), str(folder / "b.jsonl")}
+        datasets, in_memory = source.read()
+        assert in_memory
+        with monkeypatch.context() as patch:
+            patch.setattr(records_module, "DRIVER_READ_BYTES", -1)
+            assert source.read()[1] is False  # Ray Train splits those (streaming_split over the ranks)
+        # the driver's split (no dataset manager, no split coordinator): equal shards of contiguous runs of the
+        # rows in file order, the remainder left out, the same shards each time, each shard in its order
+        train = datasets["train"].take_all()
+        for world in (2, 3):
+            shards = split_in_memory(datasets, world)
+            again = split_in_memory(source.read()[0], world)
+            size = len(train) // world
+            assert [s.take_all() for s in shards["train"]] == [s.take_all() for s in again["train"]]
+            assert [r for s in shards["train"] for r in s.take_all()] == train[:size * world], (options, world)
+            assert all(s.context.execution_options.preserve_order for s in shards["train"])
+            assert (shards["eval"] is None) == ("eval_fraction" not in options)
+            if shards["eval"] is not None:
+                assert shards["eval"].take_all() == datasets["eval"].take_all()
 
 
 BAD_LINES = [
@@ -146,7 +167,10 @@ def killed(ray_local, tmp_path_factory, bad_records):
         return original(first, count)
 
     trainer.train_steps = train_steps
-    trainer.fit()
+    with pytest.MonkeyPatch.context() as patch:  # read and split by Ray Data and Ray Train, as large files are
+        patch.setattr(records_module, "DRIVER_READ_BYTES", -1)
+        assert trainer.worker_datasets() is not None
+        trainer.fit()
     return trainer, storage, killed, copy
 
 
@@ -162,10 +186,11 @@ def test_sft_worker_killed_mid_call_replays_the_lost_steps_on_the_same_records(k
     assert tokens[4][0] == tokens[4][1] > 0  # the same records, from the checkpoint's data cursor
 
 
-def test_resume_continues_with_exactly_the_next_records(killed, bad_records):
+def test_resume_continues_with_exactly_the_next_records(killed, bad_records, monkeypatch):
     """Stopped after step 3 (the straight run's copy) and started again with two steps per call: the same
     records and numbers, step by step, as the straight run (packing and bad records included), and the same
     final weights."""
+    monkeypatch.setattr(records_module, "DRIVER_READ_BYTES", -1)  # as the straight run read them
     straight, straight_dir, _, copy = killed
     split = SFTTrainer(recipe(copy, "char_chat_sft.yaml", "straight", "trainer.num_steps=6", "trainer.steps_per_call=2",
                               *bad_records))

@@ -156,7 +156,12 @@ class RecordSource:
         return next(f"{key}_field" for key, value in self._fields().items() if value == name)
 
     def datasets(self) -> dict[str, Any]:
-        """Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data).
+        """Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data); see ``read``."""
+        return self.read()[0]
+
+    def read(self) -> tuple[dict[str, Any], bool]:
+        """``(datasets, in_memory)``: the Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval
+        data), and whether the driver read every one of them.
 
         Local .jsonl files of at most ``DRIVER_READ_BYTES`` in all are read here, on the driver, into
         in-memory datasets of the same rows and blocks (one per file) that ``read_text`` gives, so that the
@@ -164,7 +169,8 @@ class RecordSource:
         read lazily by Ray Data's tasks."""
         import_ray_library("data")
         if self.eval_files:
-            return {"train": self._read(self.files), "eval": self._read(self.eval_files)}
+            (train, train_here), (held_out, held_here) = self._read(self.files), self._read(self.eval_files)
+            return {"train": train, "eval": held_out}, train_here and held_here
         if self.eval_fraction > 0:
             fraction, seed = self.eval_fraction, self.seed
             held = lambda row: _in_eval(row, fraction, seed)  # noqa: E731
@@ -179,17 +185,18 @@ class RecordSource:
                     sides[1].append(split[1])
                 train, held_out = _in_memory(sides[0]), _in_memory(sides[1])
                 if train is not None and held_out is not None:
-                    return {"train": train, "eval": held_out}
+                    return {"train": train, "eval": held_out}, True
             ds = self._read_with_ray_data(self.files)
             return {"train": ds.filter(lambda row: not held(row), num_cpus=READ_NUM_CPUS),
-                    "eval": ds.filter(held, num_cpus=READ_NUM_CPUS)}
-        return {"train": self._read(self.files)}
+                    "eval": ds.filter(held, num_cpus=READ_NUM_CPUS)}, False
+        train, here = self._read(self.files)
+        return {"train": train}, here
 
-    def _read(self, files: list[str]) -> Any:
-        """The records of ``files`` as a dataset: in memory where the driver reads them, else Ray Data's."""
+    def _read(self, files: list[str]) -> tuple[Any, bool]:
+        """The records of ``files`` as a dataset, and whether it is in memory (the driver read them) or Ray Data's."""
         per_file = self._rows_on_driver(files)
         ds = _in_memory(per_file) if per_file is not None else None
-        return ds if ds is not None else self._read_with_ray_data(files)
+        return (ds, True) if ds is not None else (self._read_with_ray_data(files), False)
 
     def _rows_on_driver(self, files: list[str]) -> list[list[dict[str, Any]]] | None:
         """Each file's rows as ``read_text(drop_empty_lines=True, include_paths=True)`` gives them
@@ -255,6 +262,39 @@ def _in_memory(per_file: list[list[dict[str, Any]]]) -> Any:
     ds = blocks[0].union(*blocks[1:]) if len(blocks) > 1 else blocks[0]
     ds.context.enable_progress_bars = False
     return ds
+
+
+def split_in_memory(datasets: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The ranks' shards of in-memory datasets (``RecordSource.read``), made here (on the driver) instead of by
+    Ray Train: ``{"train": [rank 0's, rank 1's, ...], "eval": the held-out dataset whole, or None}``. The train
+    records are split with ``split(world_size, equal=True)``: every rank gets the same number, from contiguous
+    runs of the files' rows in order (the remainder is left out, as Ray Train's ``streaming_split(equal=True)``
+    leaves it), the same shards on every run. A rank iterates its shard in its own process: no dataset
+    manager, no split coordinator and no read task starts (each a new Ray worker process, on the first step's
+    path). Each shard keeps its order (``preserve_order``), so each epoch yields the same records in the same
+    order, as ``ShardStream``'s cursor needs."""
+    shards = list(datasets["train"].split(world_size, equal=True))
+    held_out = datasets.get("eval")
+    for ds in [*shards, held_out]:
+        if ds is not None:
+            ds.context.execution_options.preserve_order = True
+    return {"train": shards, "eval": held_out}
+
+
+def quiet_ray_data_console() -> None:
+    """In a rank that iterates its own shard (``split_in_memory``): Ray Data's console lines below WARNING (a
+    "Dataset ... execution finished" line per rank and epoch) stay in its log file (``ray-data.log`` in the
+    session's logs) instead of reaching the driver's console, and its warning that progress bars are off (the
+    datasets turn them off) is not given; unless this process logs at DEBUG."""
+    import ray.data  # noqa: F401 - configures its logger first
+    from ray.util.debug import log_once
+
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return
+    log_once("ray_data_progress_manager_disabled")  # as if Ray Data had given that warning already
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):  # the console
+            handler.setLevel(max(handler.level, logging.WARNING))
 
 
 def _filesystem(path: str) -> tuple[Any, str, str]:

@@ -364,15 +364,27 @@ class StackWorker:
 
     # ------------------------------------------------------------------ SFT
     @operation
-    def sft_start(self, source: Any, records_per_rank: int, cursor: dict[str, int]) -> dict[str, Any]:
+    def sft_start(self, source: Any, records_per_rank: int, cursor: dict[str, int],
+                  shards: dict[str, Any] | None = None) -> dict[str, Any]:
         """Build this rank's SFT feed (``data.sft_feed``) over its shards of datasets ``train`` and
-        ``eval`` and move it to ``cursor``; ``source`` is the driver's ``RecordSource``."""
+        ``eval`` and move it to ``cursor``; ``source`` is the driver's ``RecordSource``. ``shards``: the ranks'
+        shards the driver made (``records.split_in_memory``: ``train`` one per rank, ``eval`` whole); None:
+        Ray Train's (``open_shard``)."""
+        from unirl_ray.data.records import quiet_ray_data_console
         from unirl_ray.data.sft_feed import SFTFeed
 
+        if shards is not None:
+            quiet_ray_data_console()
+            if len(shards["train"]) != self.topology.world_size:
+                raise RuntimeError(f"sft_start: {len(shards['train'])} train shards for {self.topology.world_size} ranks")
+            open_train = shards["train"][self.topology.rank].iter_rows
+            open_eval = shards["eval"].iter_rows if shards.get("eval") is not None else None
+        else:
+            open_train, open_eval = self.open_shard("train"), self.open_shard("eval")
         self.sft_feed = SFTFeed(
             source, records_per_rank=int(records_per_rank), bundle=self.bundle,
             pipeline=self.pipeline, algorithm=self.algorithm, stack=self.stack, rank=self.topology.rank,
-            world_size=self.topology.world_size, open_train=self.open_shard("train"), open_eval=self.open_shard("eval"),
+            world_size=self.topology.world_size, open_train=open_train, open_eval=open_eval,
         )
         self.sft_feed.seek(cursor)
         return {"cursor": self.sft_feed.cursor()}

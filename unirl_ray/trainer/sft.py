@@ -2,8 +2,9 @@
 
 The seed's lifecycle ``records -> build Part -> train_track`` in one placement (the Ray Train
 workers). This controller, on the driver, decides the steps, the evaluations and the checkpoints;
-the records never pass through it: Ray Data streams each rank's shard into its worker, which
-builds, packs and trains (``unirl_ray.data.sft_feed``). The loop:
+large record files never pass through it: Ray Data streams each rank's shard into its worker, which
+builds, packs and trains (``unirl_ray.data.sft_feed``); small local ones it reads and splits itself
+(``worker_datasets``). The loop:
 
     for each call (up to trainer.steps_per_call steps, cut at every eval / checkpoint):
         results = group.call("sft_train", {"seeds": seeds})   # per step, on every rank: take records -> build ->
@@ -120,8 +121,30 @@ class SFTTrainer(BaseTrainer):
         return bool(getattr(self.bundle_cfg, "is_demo", False))
 
     # ------------------------------------------------------------ workers and state
-    def worker_datasets(self) -> dict[str, Any]:
-        return self.data.datasets()
+    def worker_datasets(self) -> dict[str, Any] | None:
+        """The records for Ray Train to split over the ranks; None when the driver read them all
+        (``RecordSource.read``): it then splits them itself (``records.split_in_memory``, in a thread while the
+        workers start) and sends each rank its shard with ``sft_start``, so the run starts no dataset manager
+        and no split coordinator (two Ray worker processes on the first step's path)."""
+        datasets, in_memory = self.data.read()
+        if not in_memory:
+            return datasets
+        from concurrent.futures import ThreadPoolExecutor
+
+        from unirl_ray.data.records import split_in_memory
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-split")
+        self._shards = pool.submit(split_in_memory, datasets, self.ray_cfg.num_workers)
+        pool.shutdown(wait=False)  # the thread ends with the split
+        return None
+
+    def _start_payload(self) -> dict[str, Any]:
+        """What ``sft_start`` needs: the record source, the count per rank and step, the cursor, and the ranks'
+        shards where the driver made them (None: Ray Train's, ``ray.train.get_dataset_shard``)."""
+        future = getattr(self, "_shards", None)
+        shards = None if future is None else future.result(timeout=self.ray_cfg.start_timeout_s)
+        return {"source": self.data, "records_per_rank": self.records_per_rank, "cursor": self.cursor,
+                "shards": shards}
 
     def driver_libraries(self) -> tuple[str, ...]:
         return (*super().driver_libraries(), "data")  # the records reach the ranks as Ray Data shards
@@ -131,8 +154,7 @@ class SFTTrainer(BaseTrainer):
         announced = super().start_workers()
         state = announced.get("controller") or {}
         self.cursor = self._resume_cursor(state.get("data"))
-        payload = {"source": self.data, "records_per_rank": self.records_per_rank, "cursor": self.cursor}
-        self.group.call("sft_start", payload, timeout_s=self.ray_cfg.start_timeout_s)
+        self.group.call("sft_start", self._start_payload(), timeout_s=self.ray_cfg.start_timeout_s)
         return announced
 
     def _resume_cursor(self, saved: dict[str, int] | None) -> dict[str, int]:
@@ -179,8 +201,7 @@ class SFTTrainer(BaseTrainer):
         """The restarted ranks restart their feeds at the checkpoint's data cursor."""
         state = announced.get("controller") or self._start_state
         self.cursor = self._resume_cursor(state.get("data"))
-        payload = {"source": self.data, "records_per_rank": self.records_per_rank, "cursor": self.cursor}
-        self.group.call("sft_start", payload, timeout_s=self.ray_cfg.start_timeout_s)
+        self.group.call("sft_start", self._start_payload(), timeout_s=self.ray_cfg.start_timeout_s)
 
     def run_step(self, step: int) -> dict[str, Any]:
         """Step ``step`` alone (one command), with its evaluation when one is due."""

@@ -2,9 +2,10 @@
 
 On the driver it checks, before any worker starts, that every path exists and holds records of
 the expected format (the first record of the first file is read), and builds the Ray Data datasets
-(``datasets()``) that ``TorchTrainer(datasets=...)`` splits over the train ranks: lazy reads, except
-local .jsonl files of at most ``DRIVER_READ_BYTES`` in all, which the driver reads into the same rows
-and blocks (a read task is a new worker process on the first step's path). JSON lines are read as
+(``read()``): lazy reads that ``TorchTrainer(datasets=...)`` splits over the train ranks, except for local
+.jsonl files of at most ``DRIVER_READ_BYTES`` in all, which the driver reads into the same rows and blocks
+and splits itself (``split_in_memory``: a read task, Ray Train's dataset manager and its split coordinator
+are each a new worker process on the first step's path). JSON lines are read as
 text lines (``read_text``) and parsed on the ranks, so one malformed line is one bad record rather
 than an unreadable file; parquet rows are read as they are. Any path Ray Data reads works: a local
 file or folder, or a URI (``s3://``, ``gs://``...).

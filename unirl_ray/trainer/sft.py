@@ -70,6 +70,7 @@ class SFTTrainer(BaseTrainer):
     def validate_domain(self) -> None:
         recipe, cfg = self.recipe, self.run_cfg
         self.data = self._build("data")  # RecordSource: every path exists and holds the expected fields
+        self._shards = None  # the ranks' shards the driver makes (worker_datasets), as a future
         self._build("algorithm")
         stack = self._build("stack")
         workers = self.ray_cfg.num_workers
@@ -127,6 +128,7 @@ class SFTTrainer(BaseTrainer):
         workers start) and sends each rank its shard with ``sft_start``, so the run starts no dataset manager
         and no split coordinator (two Ray worker processes on the first step's path)."""
         datasets, in_memory = self.data.read()
+        self._shards = None
         if not in_memory:
             return datasets
         from concurrent.futures import ThreadPoolExecutor
@@ -141,7 +143,7 @@ class SFTTrainer(BaseTrainer):
     def _start_payload(self) -> dict[str, Any]:
         """What ``sft_start`` needs: the record source, the count per rank and step, the cursor, and the ranks'
         shards where the driver made them (None: Ray Train's, ``ray.train.get_dataset_shard``)."""
-        future = getattr(self, "_shards", None)
+        future = self._shards
         shards = None if future is None else future.result(timeout=self.ray_cfg.start_timeout_s)
         return {"source": self.data, "records_per_rank": self.records_per_rank, "cursor": self.cursor,
                 "shards": shards}

@@ -63,11 +63,12 @@ def test_small_jsonl_files_are_read_on_the_driver_into_the_rows_and_blocks_ray_d
                                                                                          monkeypatch):
     """Local .jsonl files of at most ``DRIVER_READ_BYTES`` become in-memory datasets (no read task when the
     ranks first iterate): the same rows, in the same order and blocks (one per file), with and without a
-    held-out fraction; ``DRIVER_READ_BYTES = -1`` forces Ray Data. The driver splits those over the ranks
-    itself (``split_in_memory``); Ray Train splits the others (the kill and resume runs below)."""
+    held-out fraction; ``DRIVER_READ_BYTES = -1`` forces Ray Data. (How the SFT trainer splits those rows over
+    the ranks itself: ``tests/unit/test_sft_data.py``; Ray Train splits the others: the kill and resume runs
+    below.)"""
     import ray.data
 
-    from unirl_ray.data.records import RecordSource, split_in_memory
+    from unirl_ray.data.records import RecordSource
 
     folder = tmp_path / "lines"
     folder.mkdir()
@@ -96,26 +97,6 @@ def test_small_jsonl_files_are_read_on_the_driver_into_the_rows_and_blocks_ray_d
             assert blocks(on_driver["train"]) == [3, 8]  # one block per file, in the files' order
         rows = [r for ds in on_driver.values() for r in ds.take_all()]
         assert len(rows) == 11 and {r["path"] for r in rows} == {str(folder / "a.jsonl"), str(folder / "b.jsonl")}
-        datasets, in_memory = source.read()
-        assert in_memory
-        with monkeypatch.context() as patch:
-            patch.setattr(records_module, "DRIVER_READ_BYTES", -1)
-            assert source.read()[1] is False  # Ray Train splits those (streaming_split over the ranks)
-        # the driver's split (no dataset manager, no split coordinator): equal shards of contiguous runs of the
-        # rows in file order, the remainder left out, the same shards each time, each shard in its order
-        train = datasets["train"].take_all()
-        for world in (2, 3):
-            shards = split_in_memory(datasets, world)
-            got = [s.take_all() for s in shards["train"]]
-            if world == 2:
-                assert got == [s.take_all() for s in split_in_memory(source.read()[0], world)["train"]]
-            size = len(train) // world
-            assert [len(rows) for rows in got] == [size] * world
-            assert [r for rows in got for r in rows] == train[:size * world], (options, world)
-            assert all(s.context.execution_options.preserve_order for s in shards["train"])
-            assert (shards["eval"] is None) == ("eval_fraction" not in options)
-            if shards["eval"] is not None:
-                assert shards["eval"].take_all() == datasets["eval"].take_all()
 
 
 BAD_LINES = [
@@ -217,6 +198,7 @@ def test_resume_continues_with_exactly_the_next_records(killed, bad_records, mon
     want, want_state = checkpoint_state(cfg, straight_dir / "straight" / "checkpoint_000006")
     got, got_state = checkpoint_state(cfg, copy / "straight" / "checkpoint_000006")
     assert want_state["controller"]["data"] == got_state["controller"]["data"]
+    assert want_state["controller"]["data"]["split"] == "ray_train"  # the path these runs took
     for k in want:
         assert torch.equal(want[k], got[k]), k
 

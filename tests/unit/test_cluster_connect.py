@@ -12,20 +12,27 @@ from unirl_ray.runtime.cluster import RayConfig, dialled_address, ensure_ray, wa
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, outside the ephemeral range other processes take ports from meanwhile."""
+    from support import head_ports
+
+    return head_ports(1)[0]
 
 
-def test_the_address_ray_dials_is_the_one_probed():
+def test_the_address_ray_dials_is_the_one_probed(monkeypatch):
     from ray._private.services import get_node_ip_address
 
     assert dialled_address("ray://head.example:10002") == ("head.example", 10002)
     assert dialled_address("ray://head.example") == ("head.example", 10001)
     assert dialled_address("ray://[::1]:10001/ns") == ("::1", 10001)
+    assert dialled_address("ray://[::1]") == ("::1", 10001)
     assert dialled_address("10.1.2.3:6379") == ("10.1.2.3", 6379)
     assert dialled_address("127.0.0.1:6379") == (get_node_ip_address(), 6379)  # as ray.init resolves loopback
     assert dialled_address("local") is None
+    assert dialled_address("anyscale://my-cluster") is None  # another client scheme: ray.init's own
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head.example:10003")  # ray.init reads it for "auto"
+    assert dialled_address("auto") == ("head.example", 10003)
+    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.4:6380")
+    assert dialled_address("auto") == ("10.1.2.4", 6380)
 
 
 def test_an_unreachable_cluster_is_named_within_the_timeout_and_ray_is_not_left_running():

@@ -228,3 +228,38 @@ def test_eval_split_by_content_hash_is_stable():
     assert 150 < sum(held) < 250
     assert held == [_in_eval(dict(r, path="/elsewhere"), 0.1, 0) for r in rows]  # the file path does not matter
     assert record_digest({"image": b"\x00\x01", "caption": "c"}) != record_digest({"image": b"\x00\x02", "caption": "c"})
+
+
+def test_the_driver_splits_small_files_into_equal_contiguous_shards(tmp_path, monkeypatch):
+    """``driver_shards``: the rows of small local .jsonl files, in file order, cut into one contiguous run per rank
+    of ``len // ranks`` rows (the remainder left out), the same every time, each rank with every held-out row;
+    None where Ray Data reads the files (larger than ``DRIVER_READ_BYTES``)."""
+    import unirl_ray.data.records as records_module
+
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(4)])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(7)])
+    source = RecordSource(path=str(tmp_path), shuffle=False)
+    assert source.on_driver() and source.driver_rows() is not None
+    texts = lambda rows: [json.loads(r["text"])["text"] for r in rows]  # noqa: E731
+    shards = source.driver_shards(3)
+    assert [texts(s["train"]) for s in shards] == [["a0", "a1", "a2"], ["a3", "b0", "b1"], ["b2", "b3", "b4"]]
+    assert all(s["eval"] is None for s in shards) and shards == source.driver_shards(3)
+    assert [texts(s["train"]) for s in source.driver_shards(2)] == [["a0", "a1", "a2", "a3", "b0"],
+                                                                  ["b1", "b2", "b3", "b4", "b5"]]
+    assert {r["path"] for s in shards for r in s["train"]} == {a, str(tmp_path / "b.jsonl")}
+    assert [len(s["train"]) for s in source.driver_shards(12)] == [0] * 12  # fewer rows than ranks: ShardStream says so
+
+    held = RecordSource(path=str(tmp_path), shuffle=False, eval_fraction=0.3, seed=1)
+    sides = held.driver_shards(2)
+    rows = held.driver_rows()
+    flat = {name: [r for per_file in rows[name] for r in per_file] for name in ("train", "eval")}
+    assert sides[0]["eval"] == sides[1]["eval"] == flat["eval"] != []
+    size = len(flat["train"]) // 2
+    assert sides[0]["train"] + sides[1]["train"] == flat["train"][:2 * size]
+    assert sorted(texts(flat["train"] + flat["eval"])) == sorted([f"a{i}" for i in range(4)] + [f"b{i}" for i in range(7)])
+
+    evals = RecordSource(path=a, eval_path=str(tmp_path / "b.jsonl"))
+    assert [texts(s["eval"]) for s in evals.driver_shards(2)] == [[f"b{i}" for i in range(7)]] * 2
+
+    monkeypatch.setattr(records_module, "DRIVER_READ_BYTES", -1)  # every file counts as large: Ray Data's
+    assert not source.on_driver() and source.driver_shards(2) is None and source.driver_rows() is None

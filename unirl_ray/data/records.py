@@ -2,10 +2,10 @@
 
 On the driver it checks, before any worker starts, that every path exists and holds records of
 the expected format (the first record of the first file is read), and builds the Ray Data datasets
-(``read()``): lazy reads that ``TorchTrainer(datasets=...)`` splits over the train ranks, except for local
-.jsonl files of at most ``DRIVER_READ_BYTES`` in all, which the driver reads into the same rows and blocks
-and splits itself (``split_in_memory``: a read task, Ray Train's dataset manager and its split coordinator
-are each a new worker process on the first step's path). JSON lines are read as
+(``datasets()``) that ``TorchTrainer(datasets=...)`` splits over the train ranks: lazy reads, except for
+local .jsonl files of at most ``DRIVER_READ_BYTES`` in all, which the driver reads and the SFT trainer
+splits over the ranks itself (``driver_shards``: a read task, Ray Train's dataset manager and its split
+coordinator are each a new worker process on the first step's path). JSON lines are read as
 text lines (``read_text``) and parsed on the ranks, so one malformed line is one bad record rather
 than an unreadable file; parquet rows are read as they are. Any path Ray Data reads works: a local
 file or folder, or a URI (``s3://``, ``gs://``...).
@@ -157,55 +157,77 @@ class RecordSource:
         return next(f"{key}_field" for key, value in self._fields().items() if value == name)
 
     def datasets(self) -> dict[str, Any]:
-        """Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data); see ``read``."""
-        return self.read()[0]
-
-    def read(self) -> tuple[dict[str, Any], bool]:
-        """``(datasets, in_memory)``: the Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval
-        data), and whether the driver read every one of them.
+        """Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data).
 
         Local .jsonl files of at most ``DRIVER_READ_BYTES`` in all are read here, on the driver, into
         in-memory datasets of the same rows and blocks (one per file) that ``read_text`` gives, so that the
         ranks' first iteration starts no read task (a new worker process); larger files and URIs are
         read lazily by Ray Data's tasks."""
         import_ray_library("data")
+        rows = self.driver_rows()
+        if rows is not None:
+            sets = {name: _in_memory(per_file) for name, per_file in rows.items()}
+            if all(ds is not None for ds in sets.values()):  # else Ray Data's reader says what is wrong
+                return sets
         if self.eval_files:
-            (train, train_here), (held_out, held_here) = self._read(self.files), self._read(self.eval_files)
-            return {"train": train, "eval": held_out}, train_here and held_here
+            return {"train": self._read_with_ray_data(self.files), "eval": self._read_with_ray_data(self.eval_files)}
         if self.eval_fraction > 0:
             fraction, seed = self.eval_fraction, self.seed
             held = lambda row: _in_eval(row, fraction, seed)  # noqa: E731
-            per_file = self._rows_on_driver(self.files)
-            if per_file is not None:  # read once, each row's side decided once
-                sides: tuple[list[list[dict[str, Any]]], list[list[dict[str, Any]]]] = ([], [])
-                for rows in per_file:
-                    split: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
-                    for row in rows:
-                        split[held(row)].append(row)
-                    sides[0].append(split[0])
-                    sides[1].append(split[1])
-                train, held_out = _in_memory(sides[0]), _in_memory(sides[1])
-                if train is not None and held_out is not None:
-                    return {"train": train, "eval": held_out}, True
             ds = self._read_with_ray_data(self.files)
             return {"train": ds.filter(lambda row: not held(row), num_cpus=READ_NUM_CPUS),
-                    "eval": ds.filter(held, num_cpus=READ_NUM_CPUS)}, False
-        train, here = self._read(self.files)
-        return {"train": train}, here
+                    "eval": ds.filter(held, num_cpus=READ_NUM_CPUS)}
+        return {"train": self._read_with_ray_data(self.files)}
 
-    def _read(self, files: list[str]) -> tuple[Any, bool]:
-        """The records of ``files`` as a dataset, and whether it is in memory (the driver read them) or Ray Data's."""
-        per_file = self._rows_on_driver(files)
-        ds = _in_memory(per_file) if per_file is not None else None
-        return (ds, True) if ds is not None else (self._read_with_ray_data(files), False)
+    def on_driver(self) -> bool:
+        """Whether the driver reads the records itself: local .jsonl files of at most ``DRIVER_READ_BYTES`` in all
+        (the training and the held-out files each)."""
+        return self.file_kind == "jsonl" and all(fits_on_driver(files, DRIVER_READ_BYTES)
+                                                 for files in (self.files, self.eval_files) if files)
 
-    def _rows_on_driver(self, files: list[str]) -> list[list[dict[str, Any]]] | None:
+    def driver_rows(self) -> dict[str, list[list[dict[str, Any]]]] | None:
+        """Each file's rows (``_rows_on_driver``) of the training and held-out records, ``{"train": ..., "eval":
+        ...}`` (no eval key without eval data), where the driver reads them: local .jsonl files of at most
+        ``DRIVER_READ_BYTES`` in all (the training and the held-out files each); None where Ray Data does."""
+        if not self.on_driver():
+            return None
+        if self.eval_files:
+            return {"train": self._rows_on_driver(self.files), "eval": self._rows_on_driver(self.eval_files)}
+        per_file = self._rows_on_driver(self.files)
+        if self.eval_fraction <= 0:
+            return {"train": per_file}
+        fraction, seed = self.eval_fraction, self.seed
+        sides: tuple[list[list[dict[str, Any]]], list[list[dict[str, Any]]]] = ([], [])
+        for rows in per_file:  # each row's side decided once
+            split: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+            for row in rows:
+                split[_in_eval(row, fraction, seed)].append(row)
+            sides[0].append(split[0])
+            sides[1].append(split[1])
+        return {"train": sides[0], "eval": sides[1]}
+
+    def driver_shards(self, world_size: int) -> list[dict[str, Any]] | None:
+        """Each rank's records where the driver reads them (``driver_rows``), split here instead of by Ray Train:
+        ``[{"train": rank 0's rows, "eval": every held-out row or None}, ...]``; None where Ray Data reads them
+        (or a side has no row: Ray Data's reader then says what is wrong). The training rows, in file order, are
+        cut into ``world_size`` contiguous runs of ``len // world_size`` rows (the remainder left out, as Ray
+        Train's ``streaming_split(equal=True)`` leaves it): the same shards on every run, each in its order, as
+        ``ShardStream``'s cursor needs. The ranks get them with their start command: no dataset manager, split
+        coordinator or read task starts (each a Ray worker process on the first step's path)."""
+        rows = self.driver_rows()
+        if rows is None:
+            return None
+        train = [row for per_file in rows["train"] for row in per_file]
+        held_out = [row for per_file in rows["eval"] for row in per_file] if "eval" in rows else None
+        if not train or held_out == []:
+            return None
+        size = len(train) // world_size
+        return [{"train": train[r * size:(r + 1) * size], "eval": held_out} for r in range(world_size)]
+
+    def _rows_on_driver(self, files: list[str]) -> list[list[dict[str, Any]]]:
         """Each file's rows as ``read_text(drop_empty_lines=True, include_paths=True)`` gives them
         (``{"text": line, "path": file}``, the lines split as its text reader splits them: ``str.splitlines`` of
-        the UTF-8 text, blank ones dropped), for local .jsonl files of at most ``DRIVER_READ_BYTES`` in all;
-        None for the others (Ray Data reads them)."""
-        if self.file_kind != "jsonl" or not fits_on_driver(files, DRIVER_READ_BYTES):
-            return None
+        the UTF-8 text, blank ones dropped)."""
         per_file = []
         for path in files:
             with open(path, "rb") as f:
@@ -263,39 +285,6 @@ def _in_memory(per_file: list[list[dict[str, Any]]]) -> Any:
     ds = blocks[0].union(*blocks[1:]) if len(blocks) > 1 else blocks[0]
     ds.context.enable_progress_bars = False
     return ds
-
-
-def split_in_memory(datasets: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """The ranks' shards of in-memory datasets (``RecordSource.read``), made here (on the driver) instead of by
-    Ray Train: ``{"train": [rank 0's, rank 1's, ...], "eval": the held-out dataset whole, or None}``. The train
-    records are split with ``split(world_size, equal=True)``: every rank gets the same number, from contiguous
-    runs of the files' rows in order (the remainder is left out, as Ray Train's ``streaming_split(equal=True)``
-    leaves it), the same shards on every run. A rank iterates its shard in its own process: no dataset
-    manager, no split coordinator and no read task starts (each a new Ray worker process, on the first step's
-    path). Each shard keeps its order (``preserve_order``), so each epoch yields the same records in the same
-    order, as ``ShardStream``'s cursor needs."""
-    shards = list(datasets["train"].split(world_size, equal=True))
-    held_out = datasets.get("eval")
-    for ds in [*shards, held_out]:
-        if ds is not None:
-            ds.context.execution_options.preserve_order = True
-    return {"train": shards, "eval": held_out}
-
-
-def quiet_ray_data_console() -> None:
-    """In a rank that iterates its own shard (``split_in_memory``): Ray Data's console lines below WARNING (a
-    "Dataset ... execution finished" line per rank and epoch) stay in its log file (``ray-data.log`` in the
-    session's logs) instead of reaching the driver's console, and its warning that progress bars are off (the
-    datasets turn them off) is not given; unless this process logs at DEBUG."""
-    import ray.data  # noqa: F401 - configures its logger first
-    from ray.util.debug import log_once
-
-    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
-        return
-    log_once("ray_data_progress_manager_disabled")  # as if Ray Data had given that warning already
-    for handler in logging.getLogger("ray.data").handlers:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):  # the console
-            handler.setLevel(max(handler.level, logging.WARNING))
 
 
 def _filesystem(path: str) -> tuple[Any, str, str]:

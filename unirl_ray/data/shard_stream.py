@@ -1,8 +1,9 @@
 """``ShardStream``: one train rank's records, epoch after epoch, in a deterministic, resumable order.
 
-The rank's Ray Data shard (``ray.train.get_dataset_shard``) yields the same records in the same
-order every epoch: the dataset is read with ``preserve_order`` and split with
-``streaming_split(equal=True)``, whose block assignment is then a function of the data alone. On top
+The rank's records come the same, in the same order, every epoch: its Ray Data shard
+(``ray.train.get_dataset_shard``: the dataset is read with ``preserve_order`` and split with
+``streaming_split(equal=True)``, whose block assignment is then a function of the data alone), or the rows the
+driver gave it (``RecordSource.driver_shards``, for small local files). On top
 of it each epoch is shuffled through a window of ``shuffle_buffer_size`` records, with an RNG drawn
 from ``(seed, epoch, rank)``: a different order every epoch, the same order on every re-run.
 
@@ -14,7 +15,7 @@ the next record.
 With ``prefetch > 0`` a reader thread keeps up to that many records ready (passed through
 ``transform``, e.g. tokenised), so reading, preparing, and the start of the next epoch overlap with
 training. Ray Data starts the next epoch of a split only
-when every rank asks for it (a barrier); the SFT feed takes the same number of records on every
+when every rank asks for it (a barrier; the driver's rows have none); the SFT feed takes the same number of records on every
 rank at every step and the shards have equal sizes, so every rank's reader reaches the end of an
 epoch once its rank has taken the records before it, and the barrier always completes.
 """

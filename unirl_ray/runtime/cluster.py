@@ -242,8 +242,13 @@ def worker_env_vars() -> dict[str, str] | None:
 
 def dialled_address(address: str) -> tuple[str, int] | None:
     """The host and port ``ray.init(address)`` connects to first: the GCS (``host:port``, ``auto``: the cluster
-    ``ray start`` runs on this machine; a loopback host becomes this node's IP, as Ray resolves it) or a Ray
-    Client server (``ray://host[:10001]``); None for ``local`` (a new Ray)."""
+    ``ray start`` runs on this machine, or ``RAY_ADDRESS`` where it is set, as ``ray.init`` reads it; a loopback
+    host becomes this node's IP, as Ray resolves it) or a Ray Client server (``ray://host[:10001]``); None for
+    ``local`` (a new Ray) and other client schemes (left to ``ray.init``)."""
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+    if "://" in address and not address.startswith("ray://"):
+        return None
     if address.startswith("ray://"):
         netloc = address[len("ray://"):].split("/", 1)[0]
         host, sep, port = netloc.rpartition(":")

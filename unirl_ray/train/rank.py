@@ -365,20 +365,17 @@ class StackWorker:
     # ------------------------------------------------------------------ SFT
     @operation
     def sft_start(self, source: Any, records_per_rank: int, cursor: dict[str, int],
-                  shards: dict[str, Any] | None = None) -> dict[str, Any]:
+                  rows: dict[str, Any] | None = None) -> dict[str, Any]:
         """Build this rank's SFT feed (``data.sft_feed``) over its shards of datasets ``train`` and
-        ``eval`` and move it to ``cursor``; ``source`` is the driver's ``RecordSource``. ``shards``: the ranks'
-        shards the driver made (``records.split_in_memory``: ``train`` one per rank, ``eval`` whole); None:
-        Ray Train's (``open_shard``)."""
-        from unirl_ray.data.records import quiet_ray_data_console
+        ``eval`` and move it to ``cursor``; ``source`` is the driver's ``RecordSource``. ``rows``: this rank's
+        records where the driver split them (``RecordSource.driver_shards``: its training rows, every held-out
+        row); None: Ray Train's shards (``open_shard``)."""
         from unirl_ray.data.sft_feed import SFTFeed
 
-        if shards is not None:
-            quiet_ray_data_console()
-            if len(shards["train"]) != self.topology.world_size:
-                raise RuntimeError(f"sft_start: {len(shards['train'])} train shards for {self.topology.world_size} ranks")
-            open_train = shards["train"][self.topology.rank].iter_rows
-            open_eval = shards["eval"].iter_rows if shards.get("eval") is not None else None
+        if rows is not None:
+            train, held_out = rows["train"], rows.get("eval")
+            open_train = lambda: iter(train)  # noqa: E731 - a new epoch: the same rows, in the same order
+            open_eval = None if held_out is None else (lambda: iter(held_out))
         else:
             open_train, open_eval = self.open_shard("train"), self.open_shard("eval")
         self.sft_feed = SFTFeed(

@@ -70,7 +70,7 @@ class SFTTrainer(BaseTrainer):
     def validate_domain(self) -> None:
         recipe, cfg = self.recipe, self.run_cfg
         self.data = self._build("data")  # RecordSource: every path exists and holds the expected fields
-        self._shards = None  # the ranks' shards the driver makes (worker_datasets), as a future
+        self._shards: list[dict[str, Any]] | None = None  # each rank's records where the driver splits them
         self._build("algorithm")
         stack = self._build("stack")
         workers = self.ray_cfg.num_workers
@@ -123,45 +123,46 @@ class SFTTrainer(BaseTrainer):
 
     # ------------------------------------------------------------ workers and state
     def worker_datasets(self) -> dict[str, Any] | None:
-        """The records for Ray Train to split over the ranks; None when the driver read them all
-        (``RecordSource.read``): it then splits them itself (``records.split_in_memory``, in a thread while the
-        workers start) and sends each rank its shard with ``sft_start``, so the run starts no dataset manager
-        and no split coordinator (two Ray worker processes on the first step's path)."""
-        datasets, in_memory = self.data.read()
-        self._shards = None
-        if not in_memory:
-            return datasets
-        from concurrent.futures import ThreadPoolExecutor
+        """The records for Ray Train to split over the ranks; None where the driver reads them
+        (``RecordSource.driver_shards``): it then splits them itself and sends each rank its shard with
+        ``sft_start``, so the run starts no dataset manager and no split coordinator (two Ray worker processes
+        on the first step's path)."""
+        self._shards = self.data.driver_shards(self.ray_cfg.num_workers)
+        return None if self._shards is not None else self.data.datasets()
 
-        from unirl_ray.data.records import split_in_memory
+    def _split(self) -> str:
+        """Who split the records over the ranks (kept with the data cursor: the other split gives each rank
+        other records)."""
+        return "driver" if self._shards is not None else "ray_train"
 
-        pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-split")
-        self._shards = pool.submit(split_in_memory, datasets, self.ray_cfg.num_workers)
-        pool.shutdown(wait=False)  # the thread ends with the split
-        return None
-
-    def _start_payload(self) -> dict[str, Any]:
-        """What ``sft_start`` needs: the record source, the count per rank and step, the cursor, and the ranks'
-        shards where the driver made them (None: Ray Train's, ``ray.train.get_dataset_shard``)."""
-        future = self._shards
-        shards = None if future is None else future.result(timeout=self.ray_cfg.start_timeout_s)
-        return {"source": self.data, "records_per_rank": self.records_per_rank, "cursor": self.cursor,
-                "shards": shards}
+    def _start_payloads(self) -> list[dict[str, Any]]:
+        """Each rank's ``sft_start``: the record source, the count per rank and step, the cursor, and the rank's
+        records where the driver split them (None: Ray Train's shard, ``ray.train.get_dataset_shard``)."""
+        common = {"source": self.data, "records_per_rank": self.records_per_rank, "cursor": self.cursor}
+        return [{**common, "rows": None if self._shards is None else self._shards[rank]}
+                for rank in range(self.ray_cfg.num_workers)]
 
     def driver_libraries(self) -> tuple[str, ...]:
-        return (*super().driver_libraries(), "data")  # the records reach the ranks as Ray Data shards
+        # the records reach the ranks as Ray Data shards, unless the driver splits them itself
+        return (*super().driver_libraries(), *(() if self.data.on_driver() else ("data",)))
 
     def start_workers(self) -> dict[str, Any]:
         """Start the ranks, then their feeds at the restored data cursor (the start of the data when new)."""
         announced = super().start_workers()
         state = announced.get("controller") or {}
         self.cursor = self._resume_cursor(state.get("data"))
-        self.group.call("sft_start", self._start_payload(), timeout_s=self.ray_cfg.start_timeout_s)
+        self.group.call("sft_start", self._start_payloads(), timeout_s=self.ray_cfg.start_timeout_s)
         return announced
 
     def _resume_cursor(self, saved: dict[str, int] | None) -> dict[str, int]:
         if not saved:
             return {"epoch": 0, "offset": 0}
+        split = saved.get("split", "ray_train")  # checkpoints from before the driver's split: Ray Train's
+        if split != self._split():
+            log.warning("the checkpoint's records were split over the ranks by %s, this run's by %s (the record "
+                        "files' sizes or DRIVER_READ_BYTES changed): each rank's shard holds other records now, so "
+                        "the run continues at the same point of epoch %s, not at exactly the next records",
+                        split.replace("_", " "), self._split().replace("_", " "), saved.get("epoch"))
         workers = self.ray_cfg.num_workers
         if saved.get("world_size", workers) == workers:
             return {"epoch": int(saved["epoch"]), "offset": int(saved["offset"])}
@@ -175,7 +176,8 @@ class SFTTrainer(BaseTrainer):
         self.totals = dict(state.get("data_totals") or {})
 
     def controller_state(self) -> dict[str, Any]:
-        data = {**self.cursor, "world_size": self.ray_cfg.num_workers, "records_per_rank": self.records_per_rank}
+        data = {**self.cursor, "world_size": self.ray_cfg.num_workers, "records_per_rank": self.records_per_rank,
+                "split": self._split()}
         return {**super().controller_state(), "data": data, "data_totals": self.totals}
 
     # ------------------------------------------------------------ the loop
@@ -203,7 +205,7 @@ class SFTTrainer(BaseTrainer):
         """The restarted ranks restart their feeds at the checkpoint's data cursor."""
         state = announced.get("controller") or self._start_state
         self.cursor = self._resume_cursor(state.get("data"))
-        self.group.call("sft_start", self._start_payload(), timeout_s=self.ray_cfg.start_timeout_s)
+        self.group.call("sft_start", self._start_payloads(), timeout_s=self.ray_cfg.start_timeout_s)
 
     def run_step(self, step: int) -> dict[str, Any]:
         """Step ``step`` alone (one command), with its evaluation when one is due."""

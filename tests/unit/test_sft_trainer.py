@@ -67,6 +67,18 @@ def test_resume_on_another_worker_count_keeps_the_epoch_fraction(tmp_path):
     assert t._resume_cursor(None) == {"epoch": 0, "offset": 0}
 
 
+def test_the_data_cursor_says_who_split_the_records_and_a_resume_across_the_two_warns(tmp_path, caplog):
+    t = trainer(tmp_path)
+    t.cursor = {"epoch": 1, "offset": 2}
+    assert t.worker_datasets() is None and t.controller_state()["data"]["split"] == "driver"  # the small tiny file
+    saved = {"epoch": 1, "offset": 2, "world_size": 2}
+    with caplog.at_level("WARNING", logger="unirl_ray.trainer.sft"):
+        assert t._resume_cursor({**saved, "split": "driver"}) == {"epoch": 1, "offset": 2}
+        assert not caplog.records
+        assert t._resume_cursor(saved) == {"epoch": 1, "offset": 2}  # before the split was recorded: Ray Train's
+    assert "split over the ranks by ray train, this run's by driver" in caplog.text
+
+
 def test_real_model_recipe_validates_against_a_model_folder_and_data(monkeypatch, tmp_path):
     import ray
 

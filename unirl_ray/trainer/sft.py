@@ -160,8 +160,9 @@ class SFTTrainer(BaseTrainer):
         split = saved.get("split", "ray_train")  # checkpoints from before the driver's split: Ray Train's
         if split != self._split():
             log.warning("the checkpoint's records were split over the ranks by %s, this run's by %s (the record "
-                        "files' sizes or DRIVER_READ_BYTES changed): each rank's shard holds other records now, so "
-                        "the run continues at the same point of epoch %s, not at exactly the next records",
+                        "files grew or shrank past the driver's read size, or the checkpoint predates the driver's "
+                        "split): each rank's shard holds other records now, so the run continues at the same point "
+                        "of epoch %s, not at exactly the next records",
                         split.replace("_", " "), self._split().replace("_", " "), saved.get("epoch"))
         workers = self.ray_cfg.num_workers
         if saved.get("world_size", workers) == workers:

@@ -210,24 +210,16 @@ class Prompts:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that nothing listens on now, on any interface (``free_ports``)."""
+    return free_ports(1)[0]
 
 
-# ------------------------------------------------------------------ a real head node (`ray start --head`)
-HEAD_START_TIMEOUT_S = 180
-
-
-def head_ports(count: int) -> list[int]:
-    """``count`` different ports that nothing listens on, on any interface, from 20000-29999: above Ray's worker
+def free_ports(count: int) -> list[int]:
+    """``count`` different TCP ports that nothing listens on, on any interface, from 20000-29999: above Ray's worker
     ports (10002-19999), below the kernel's ephemeral range (32768-60999), from which every process that binds
-    port 0 (the other test lane's Ray daemons and workers) or connects gets one, so that none takes a port of
-    the head's between this check and the head's bind (a GCS sharing its port with another gRPC server through
-    SO_REUSEPORT would answer only some of its clients)."""
+    port 0 (the other test lane's Ray daemons and workers) or connects gets one, so that none takes a port
+    between this check and its user's bind (a rendezvous or server would fail with EADDRINUSE; a GCS sharing its
+    port with another gRPC server through SO_REUSEPORT would answer only some of its clients)."""
     import random
     import socket
 
@@ -244,6 +236,10 @@ def head_ports(count: int) -> list[int]:
                 continue
         ports.append(port)
     return ports
+
+
+# ------------------------------------------------------------------ a real head node (`ray start --head`)
+HEAD_START_TIMEOUT_S = 180
 
 
 def venv_bin() -> Path:
@@ -288,7 +284,7 @@ class RayHead:
 
         stop_ray_in_this_process()
         bin_dir = venv_bin()
-        gcs_port, dash_port, client_port, agent_port = head_ports(4)
+        gcs_port, dash_port, client_port, agent_port = free_ports(4)
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
         env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
                    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # SIGTERM to the head: tear down at once

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import tempfile
 from datetime import timedelta
 from typing import Any, Callable
@@ -128,10 +127,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (a torch.distributed rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a torch.distributed rendezvous, outside the range other processes take ports from
+    meanwhile (``support.free_ports``)."""
+    from support import free_port as port
+
+    return port()
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:

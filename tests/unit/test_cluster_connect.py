@@ -13,9 +13,9 @@ from unirl_ray.runtime.cluster import RayConfig, dialled_address, ensure_ray, wa
 
 def closed_port() -> int:
     """A port nothing listens on, outside the ephemeral range other processes take ports from meanwhile."""
-    from support import head_ports
+    from support import free_port
 
-    return head_ports(1)[0]
+    return free_port()
 
 
 def test_the_address_ray_dials_is_the_one_probed(monkeypatch):

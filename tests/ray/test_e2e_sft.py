@@ -61,8 +61,8 @@ def test_record_sources_read_jsonl_and_parquet_and_hold_out_a_fraction(ray_local
 
 def test_small_jsonl_files_are_read_on_the_driver_into_the_rows_and_blocks_ray_data_reads(ray_local, tmp_path,
                                                                                          monkeypatch):
-    """Local .jsonl files of at most ``DRIVER_READ_BYTES`` become in-memory datasets (no read task when the
-    ranks first iterate): the same rows, in the same order and blocks (one per file), with and without a
+    """Local .jsonl files of at most ``DRIVER_READ_BYTES`` are read by the driver (``driver_rows``, no Ray Data):
+    the same rows Ray Data's reader gives, in the same order and blocks (one per file), with and without a
     held-out fraction; ``DRIVER_READ_BYTES = -1`` forces Ray Data. (How the SFT trainer splits those rows over
     the ranks itself: ``tests/unit/test_sft_data.py``; Ray Train splits the others: the kill and resume runs
     below.)"""
@@ -85,17 +85,18 @@ def test_small_jsonl_files_are_read_on_the_driver_into_the_rows_and_blocks_ray_d
         source = RecordSource(path=str(folder), **options)
         with monkeypatch.context() as patch:
             patch.setattr(ray.data, "read_text", refuse)
-            on_driver = {name: ds.materialize() for name, ds in source.datasets().items()}
+            on_driver = source.driver_rows()
         with monkeypatch.context() as patch:
             patch.setattr(records_module, "DRIVER_READ_BYTES", -1)
+            assert source.driver_rows() is None
             by_ray_data = {name: ds.materialize() for name, ds in source.datasets().items()}
         assert set(on_driver) == set(by_ray_data) == ({"train", "eval"} if "eval_fraction" in options else {"train"})
         for name, ds in by_ray_data.items():
-            assert on_driver[name].take_all() == ds.take_all(), (options, name)
-            assert blocks(on_driver[name]) == blocks(ds), (options, name)
+            assert [r for per_file in on_driver[name] for r in per_file] == ds.take_all(), (options, name)
+            assert [len(rows) for rows in on_driver[name] if rows] == blocks(ds), (options, name)
         if "eval_fraction" not in options:
-            assert blocks(on_driver["train"]) == [3, 8]  # one block per file, in the files' order
-        rows = [r for ds in on_driver.values() for r in ds.take_all()]
+            assert [len(rows) for rows in on_driver["train"]] == [3, 8]  # one block per file, in the files' order
+        rows = [r for per_file in on_driver.values() for rows in per_file for r in rows]
         assert len(rows) == 11 and {r["path"] for r in rows} == {str(folder / "a.jsonl"), str(folder / "b.jsonl")}
 
 

@@ -157,18 +157,9 @@ class RecordSource:
         return next(f"{key}_field" for key, value in self._fields().items() if value == name)
 
     def datasets(self) -> dict[str, Any]:
-        """Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data).
-
-        Local .jsonl files of at most ``DRIVER_READ_BYTES`` in all are read here, on the driver, into
-        in-memory datasets of the same rows and blocks (one per file) that ``read_text`` gives, so that the
-        ranks' first iteration starts no read task (a new worker process); larger files and URIs are
-        read lazily by Ray Data's tasks."""
+        """Ray Data datasets ``{"train": ..., "eval": ...}`` (no eval key without eval data), read lazily by Ray
+        Data's tasks: for the records the driver does not split itself (``driver_shards``)."""
         import_ray_library("data")
-        rows = self.driver_rows()
-        if rows is not None:
-            sets = {name: _in_memory(per_file) for name, per_file in rows.items()}
-            if all(ds is not None for ds in sets.values()):  # else Ray Data's reader says what is wrong
-                return sets
         if self.eval_files:
             return {"train": self._read_with_ray_data(self.files), "eval": self._read_with_ray_data(self.eval_files)}
         if self.eval_fraction > 0:
@@ -273,20 +264,6 @@ class RecordSource:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _in_memory(per_file: list[list[dict[str, Any]]]) -> Any:
-    """An in-memory dataset of one block per file that has rows, in order (the blocks
-    ``read_text(..., override_num_blocks=len(files))`` makes); None when no file has a row (Ray Data's reader
-    then says what is wrong)."""
-    import ray.data
-
-    blocks = [ray.data.from_items(rows, override_num_blocks=1) for rows in per_file if rows]
-    if not blocks:
-        return None
-    ds = blocks[0].union(*blocks[1:]) if len(blocks) > 1 else blocks[0]
-    ds.context.enable_progress_bars = False
-    return ds
-
-
 def _filesystem(path: str) -> tuple[Any, str, str]:
     """(pyarrow filesystem, path inside it, URI prefix to rebuild a full path) of a local path or URI."""
     import pyarrow.fs

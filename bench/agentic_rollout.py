@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RECIPE = ROOT / "recipes" / "agentic" / "tiny" / "calculator_grpo.yaml"
-SFT_DATA = ROOT / "unirl_ray" / "assets" / "data" / "arith_tool_sft.jsonl"
+SFT_DATA = ROOT / "unirl_ray" / "assets" / "data" / "arith_tool_sft" / "tool_calls.jsonl"
 TASK = ROOT / "unirl_ray" / "assets" / "data" / "arith_tool_task.jsonl"
 
 

@@ -153,9 +153,14 @@ def test_asset_resolver(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(recipe_mod, "assets_dir", lambda: tmp_path / "assets")
     path = write(tmp_path, "data:\n  prompts: ${unirl_asset:prompts/animals.txt}\n")
     assert load_recipe(path).data.prompts == str(tmp_path / "assets" / "prompts" / "animals.txt")
+    folder = write(tmp_path, "data:\n  prompts: ${unirl_asset:prompts}\n", "folder.yaml")  # a folder of files
+    assert load_recipe(folder).data.prompts == str(tmp_path / "assets" / "prompts")
     bad = write(tmp_path, "data:\n  prompts: ${unirl_asset:prompts/animal.txt}\n", "bad.yaml")
     with pytest.raises(RecipeError, match=r"data\.prompts.*prompts/animals\.txt"):
         load_recipe(bad)
+    outside = write(tmp_path, "data:\n  prompts: ${unirl_asset:..}\n", "outside.yaml")
+    with pytest.raises(RecipeError, match="no packaged asset"):
+        load_recipe(outside)
 
 
 # ---------------------------------------------------------------- targets

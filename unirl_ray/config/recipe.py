@@ -113,11 +113,12 @@ def assets_dir() -> Path:
 
 
 def _asset_path(relative: str) -> str:
-    """``${unirl_asset:prompts/animals.txt}`` -> absolute path of that packaged asset."""
+    """``${unirl_asset:prompts/animals.txt}`` -> absolute path of that packaged asset (a file or a folder)."""
     base = assets_dir()
     path = (base / str(relative)).resolve()
-    if base not in path.parents or not path.is_file():
-        known = sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file())
+    if base not in path.parents or not (path.is_file() or path.is_dir()):
+        known = sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.name != "__pycache__"
+                       and "__pycache__" not in p.parts)
         close = difflib.get_close_matches(str(relative), known, n=3, cutoff=0.4)
         hint = f" Did you mean: {', '.join(close)}?" if close else f" Available: {known}."
         raise RecipeError(f"no packaged asset {relative!r} under {base}.{hint}")

@@ -59,6 +59,9 @@ class RLRunConfig(RunConfig):
     """Distinct prompts per step; each is sampled ``algorithm.group_size`` times."""
     eval_every: int = 0
     """Evaluate every N steps (and after the last step) on held-out prompts; 0 turns evaluation off."""
+    eval_on_start: bool = False
+    """Also evaluate before the first step (logged at step 0; not on a resume), and after the last step when
+    ``eval_every`` is 0: the baseline the later evaluations are compared with."""
     eval_prompts: str | None = None
     """Held-out prompt file or folder (``data.path``'s formats and columns); None evaluates on ``data.path`` (warned)."""
     eval_num_prompts: int = 8
@@ -134,7 +137,7 @@ class RLTrainer(BaseTrainer):
     def _eval_source(self) -> Any:
         """The held-out prompts of ``trainer.eval_*`` (file order), or None when evaluation is off."""
         cfg = self.run_cfg
-        if not cfg.eval_every:
+        if not (cfg.eval_every or cfg.eval_on_start):
             return None
         if cfg.eval_num_prompts % self.ray_cfg.num_workers:
             raise RecipeError(f"trainer.eval_num_prompts={cfg.eval_num_prompts} must divide evenly over "
@@ -143,7 +146,7 @@ class RLTrainer(BaseTrainer):
             log.warning("trainer.eval_prompts is not set: evaluating on the first prompts of data.path (not held out)")
         data = OmegaConf.to_container(self.recipe.data, resolve=True)
         if "path" not in data:
-            raise RecipeError(f"trainer.eval_every needs a data source with a path ({data.get('_target_')} has none)")
+            raise RecipeError(f"trainer.eval_every / eval_on_start need a data source with a path ({data.get('_target_')} has none)")
         return instantiate({**data, "path": cfg.eval_prompts or data["path"], "shuffle": False})
 
     def _dedicated_rollout(self) -> DedicatedRollout | None:
@@ -330,9 +333,19 @@ class RLTrainer(BaseTrainer):
         metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
         if self.tracker.should_log_samples(step):
             self.log_samples(step, samples)
-        if self.eval_source is not None and (step % self.run_cfg.eval_every == 0 or step == self.run_cfg.num_steps):
+        if self.eval_due(step):
             metrics |= self.evaluate(step)
         return metrics
+
+    def eval_due(self, step: int) -> bool:
+        """Whether ``step`` ends with an evaluation: every ``eval_every`` steps and after the last one."""
+        every = self.run_cfg.eval_every
+        return self.eval_source is not None and ((every > 0 and step % every == 0) or step == self.run_cfg.num_steps)
+
+    def run_steps(self, start_step: int) -> dict[str, Any]:
+        if self.run_cfg.eval_on_start and start_step == 0:
+            self.tracker.log_metrics(self.evaluate(0), step=0)
+        return super().run_steps(start_step)
 
     def assign_credit(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """The credit-assignment stage (``algorithms.credit``): every sample's (and Part's) advantage."""

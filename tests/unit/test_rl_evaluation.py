@@ -1,0 +1,42 @@
+"""When the RL trainers evaluate (``trainer.eval_every``, ``trainer.eval_on_start``), without Ray: the steps that end
+with an evaluation, and the baseline evaluation before the first step of a new run (not of a resumed one)."""
+
+from types import SimpleNamespace
+
+from unirl_ray.trainer import base
+from unirl_ray.trainer.ar import ARTrainer
+from unirl_ray.trainer.rl import RLRunConfig
+
+
+def trainer(num_steps, eval_every, eval_on_start, source=True):
+    t = object.__new__(ARTrainer)
+    t.run_cfg = RLRunConfig(run_name="r", num_steps=num_steps, eval_every=eval_every, eval_on_start=eval_on_start,
+                            checkpoint_every=100)
+    t.eval_source = object() if source else None
+    logged = []
+    t.tracker = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, dict(metrics))))
+    t.evaluate = lambda step: {"eval/reward_mean": float(step)}
+    return t, logged
+
+
+def test_eval_steps_are_every_n_and_the_last():
+    t, _ = trainer(10, 4, False)
+    assert [s for s in range(1, 11) if t.eval_due(s)] == [4, 8, 10]
+    t, _ = trainer(10, 0, True)  # the baseline only: before the first step and after the last
+    assert [s for s in range(1, 11) if t.eval_due(s)] == [10]
+    t, _ = trainer(10, 0, False, source=False)  # evaluation off: no eval source is built
+    assert not any(t.eval_due(s) for s in range(1, 11))
+
+
+def test_eval_on_start_logs_a_baseline_at_step_0_of_a_new_run_only(monkeypatch):
+    ran = []
+    monkeypatch.setattr(base.BaseTrainer, "run_steps", lambda self, start: ran.append(start) or {})
+    t, logged = trainer(10, 5, True)
+    t.run_steps(0)
+    assert logged == [(0, {"eval/reward_mean": 0.0})] and ran == [0]
+    logged.clear()
+    t.run_steps(4)  # a resumed run: its baseline was logged when it started
+    assert logged == [] and ran == [0, 4]
+    t, logged = trainer(10, 5, False)
+    t.run_steps(0)
+    assert logged == []

@@ -90,6 +90,27 @@ def test_bad_text_sampling_values_fail_on_the_driver(override, message):
         ARTrainer(load_recipe(os.path.join(ROOT, "recipes", "ar", "tiny", "char_grpo_direct.yaml"), [override]))
 
 
+def test_a_pipeline_longer_than_the_models_context_fails_on_the_driver(tmp_path):
+    """Before: the ranks and every engine replica refused it only once started (the engine app's deploy failed)."""
+    import json
+
+    from unirl_ray.trainer.agentic import AgenticTrainer
+    from unirl_ray.trainer.ar import ARTrainer
+
+    recipe = os.path.join(ROOT, "recipes", "ar", "tiny", "char_grpo_direct.yaml")
+    with pytest.raises(RecipeError, match=r"pipeline.max_prompt_tokens \+ pipeline.max_new_tokens = 240 \+ 64 = 304 "
+                                          r"exceeds the model's context of 256 tokens \(the demo model's "):
+        ARTrainer(load_recipe(recipe, ["pipeline.max_prompt_tokens=240", "pipeline.max_new_tokens=64"]))
+    ARTrainer(load_recipe(recipe, ["pipeline.max_prompt_tokens=192", "pipeline.max_new_tokens=64"]))  # 256 fits
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 2048}))
+    real = os.path.join(ROOT, "recipes", "agentic", "qwen2_5", "gsm8k_python_vllm.yaml")  # 3072 + 1024
+    with pytest.raises(RecipeError, match=rf"= 4096 exceeds the model's context of 2048 tokens \(max_position_embeddings "
+                                          rf"in {tmp_path}/config.json\)"):
+        AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": {"max_position_embeddings": 4096}}))
+    AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))  # a text_config's counts
+
+
 @pytest.mark.parametrize("override, message", [
     ("data.columns=[answer]", r"pipeline.image_column='image' is not among data.columns=\['answer'\]: add it"),
     ("rollout={_target_: unirl_ray.rollout.DedicatedRollout, engine: vllm}",

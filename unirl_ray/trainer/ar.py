@@ -43,12 +43,15 @@ class ARTrainer(RLTrainer):
     domain = "ar"
 
     def validate_model(self) -> None:
-        """A pipeline that reads its prompts' images from a dataset column (``VLMPipeline``) needs that column
-        carried by ``data.columns`` and a rollout that passes columns on (trainside, or the HF engine)."""
+        """The pipeline's longest sequence (``max_prompt_tokens + max_new_tokens``) fits the model's context (else
+        the ranks and every engine replica would refuse it only once started). A pipeline that reads its
+        prompts' images from a dataset column (``VLMPipeline``) needs that column carried by ``data.columns`` and
+        a rollout that passes columns on (trainside, or the HF engine)."""
         from unirl_ray.config.recipe import RecipeError, locate
 
         target = self.recipe.pipeline.get("_target_")
         pipeline_cls = locate(target, "pipeline") if target else None
+        self._check_context_length(pipeline_cls)
         if not getattr(pipeline_cls, "samples_from_columns", False):
             return
         column = self.recipe.pipeline.get("image_column", "image")
@@ -59,6 +62,31 @@ class ARTrainer(RLTrainer):
         if self.dedicated is not None and self.dedicated.engine != "hf":
             raise RecipeError(f"rollout.engine={self.dedicated.engine} does not take prompts with images yet (its "
                               "multimodal inputs are not wired): use rollout.engine=hf, or rollout: TrainsideRollout")
+
+    def _check_context_length(self, pipeline_cls: Any) -> None:
+        import inspect
+
+        from unirl_ray.config.recipe import RecipeError
+
+        limit = getattr(self.bundle_cfg, "context_length", None)
+        if not isinstance(limit, int) or pipeline_cls is None:
+            return
+        try:
+            params = inspect.signature(pipeline_cls).parameters
+        except (TypeError, ValueError):
+            return
+        lengths = {}
+        for name in ("max_prompt_tokens", "max_new_tokens"):
+            value = self.recipe.pipeline.get(name, params[name].default if name in params else None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                return
+            lengths[name] = value
+        if sum(lengths.values()) > limit:
+            source = ("the demo model's bundle.config.tiny.max_position_embeddings" if self.bundle_cfg.is_demo else
+                      f"max_position_embeddings in {self.bundle_cfg.pretrained_model_path}/config.json")
+            raise RecipeError(f"pipeline.max_prompt_tokens + pipeline.max_new_tokens = {lengths['max_prompt_tokens']} + "
+                              f"{lengths['max_new_tokens']} = {sum(lengths.values())} exceeds the model's context of "
+                              f"{limit} tokens ({source}); lower one of them")
 
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         lengths = np.array([_num_tokens(s) for s in samples], dtype=np.float64)

@@ -5,6 +5,7 @@ Light on purpose: no transformers / tokenizers import, so drivers can validate c
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -91,3 +92,15 @@ class CausalLMConfig:
     def dtype(self) -> torch.dtype:
         """``torch_dtype`` as a ``torch.dtype``."""
         return TORCH_DTYPES[self.torch_dtype]
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's longest sequence (``max_position_embeddings``): the demo model's, or the one the folder's
+        config.json names (its ``text_config``'s for a vision-language model); None where it names none."""
+        if self.is_demo:
+            return int(self.tiny.max_position_embeddings)
+        with open(os.path.join(self.pretrained_model_path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        value = config.get("max_position_embeddings", text.get("max_position_embeddings"))
+        return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -40,3 +40,13 @@ def test_eval_on_start_logs_a_baseline_at_step_0_of_a_new_run_only(monkeypatch):
     t, logged = trainer(10, 5, False)
     t.run_steps(0)
     assert logged == []
+
+
+def test_a_trainer_whose_config_has_no_evaluation_never_evaluates(monkeypatch):
+    """The prompt enhancer's ``PERunConfig`` has no ``eval_*`` fields; its eval source is None."""
+    monkeypatch.setattr(base.BaseTrainer, "run_steps", lambda self, start: {})
+    t, logged = trainer(10, 5, True, source=False)
+    t.run_cfg = SimpleNamespace(num_steps=10)
+    assert not any(t.eval_due(s) for s in range(1, 11))
+    t.run_steps(0)
+    assert logged == []

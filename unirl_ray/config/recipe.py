@@ -117,8 +117,7 @@ def _asset_path(relative: str) -> str:
     base = assets_dir()
     path = (base / str(relative)).resolve()
     if base not in path.parents or not (path.is_file() or path.is_dir()):
-        known = sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.name != "__pycache__"
-                       and "__pycache__" not in p.parts)
+        known = sorted(str(p.relative_to(base)) for p in base.rglob("*") if "__pycache__" not in p.parts)
         close = difflib.get_close_matches(str(relative), known, n=3, cutoff=0.4)
         hint = f" Did you mean: {', '.join(close)}?" if close else f" Available: {known}."
         raise RecipeError(f"no packaged asset {relative!r} under {base}.{hint}")

@@ -339,11 +339,13 @@ class RLTrainer(BaseTrainer):
 
     def eval_due(self, step: int) -> bool:
         """Whether ``step`` ends with an evaluation: every ``eval_every`` steps and after the last one."""
+        if self.eval_source is None:  # evaluation off (or a trainer without it: the prompt enhancer)
+            return False
         every = self.run_cfg.eval_every
-        return self.eval_source is not None and ((every > 0 and step % every == 0) or step == self.run_cfg.num_steps)
+        return (every > 0 and step % every == 0) or step == self.run_cfg.num_steps
 
     def run_steps(self, start_step: int) -> dict[str, Any]:
-        if self.run_cfg.eval_on_start and start_step == 0:
+        if self.eval_source is not None and self.run_cfg.eval_on_start and start_step == 0:
             self.tracker.log_metrics(self.evaluate(0), step=0)
         return super().run_steps(start_step)
 

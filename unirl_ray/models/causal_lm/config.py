@@ -96,11 +96,17 @@ class CausalLMConfig:
     @property
     def context_length(self) -> int | None:
         """The model's longest sequence (``max_position_embeddings``): the demo model's, or the one the folder's
-        config.json names (its ``text_config``'s for a vision-language model); None where it names none."""
+        config.json names (its ``text_config``'s for a vision-language model); None where it names none (or the
+        file does not parse: loading the model says why)."""
         if self.is_demo:
             return int(self.tiny.max_position_embeddings)
-        with open(os.path.join(self.pretrained_model_path, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
+        try:
+            with open(os.path.join(self.pretrained_model_path, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(config, dict):
+            return None
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
         value = config.get("max_position_embeddings", text.get("max_position_embeddings"))
         return value if isinstance(value, int) and not isinstance(value, bool) else None

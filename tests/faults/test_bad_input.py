@@ -109,6 +109,11 @@ def test_a_pipeline_longer_than_the_models_context_fails_on_the_driver(tmp_path)
         AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": {"max_position_embeddings": 4096}}))
     AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))  # a text_config's counts
+    from unirl_ray.trainer.pe import PETrainer  # the prompt enhancer's rewriter side
+
+    with pytest.raises(RecipeError, match=r"ar.pipeline.max_prompt_tokens \+ ar.pipeline.max_new_tokens = 250 \+ 16 = "
+                                          r"266 exceeds .* \(the demo model's ar.bundle.config.tiny.max_position_embeddings\)"):
+        PETrainer(load_recipe(os.path.join(ROOT, "recipes", "pe", "tiny", "pe_tiny.yaml"), ["ar.pipeline.max_prompt_tokens=250"]))
 
 
 @pytest.mark.parametrize("override, message", [

@@ -18,6 +18,37 @@ from unirl_ray.core.sample import Sample
 from unirl_ray.trainer.rl import RLRunConfig, RLTrainer
 
 
+def check_context_length(bundle_cfg: Any, pipeline: Any, where: str = "pipeline") -> None:
+    """``RecipeError`` when a text pipeline's longest sequence (``max_prompt_tokens + max_new_tokens``, its class's
+    defaults where the recipe leaves them out) exceeds the model's context (``bundle_cfg.context_length``: the
+    demo model's, or the folder's config.json); the ranks and every engine replica would refuse it only once
+    started. ``bundle_cfg`` is the family config or None (nothing to check)."""
+    import inspect
+
+    from unirl_ray.config.recipe import RecipeError, locate
+
+    limit = getattr(bundle_cfg, "context_length", None)
+    target = pipeline.get("_target_")
+    if not isinstance(limit, int) or not target:
+        return
+    try:
+        params = inspect.signature(locate(target, where)).parameters
+    except (TypeError, ValueError):
+        return
+    lengths = []
+    for name in ("max_prompt_tokens", "max_new_tokens"):
+        value = pipeline.get(name, params[name].default if name in params else None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            return
+        lengths.append(value)
+    if sum(lengths) > limit:
+        side = where[: -len("pipeline")] if where.endswith("pipeline") else ""  # "ar." on the prompt enhancer's side
+        source = (f"max_position_embeddings in {bundle_cfg.pretrained_model_path}/config.json" if not bundle_cfg.is_demo
+                  else f"the demo model's {side}bundle.config.tiny.max_position_embeddings")
+        raise RecipeError(f"{where}.max_prompt_tokens + {where}.max_new_tokens = {lengths[0]} + {lengths[1]} = "
+                          f"{sum(lengths)} exceeds the model's context of {limit} tokens ({source}); lower one of them")
+
+
 @dataclass(kw_only=True)
 class ARRunConfig(RLRunConfig):
     """The ``trainer:`` block of an AR recipe."""
@@ -51,7 +82,7 @@ class ARTrainer(RLTrainer):
 
         target = self.recipe.pipeline.get("_target_")
         pipeline_cls = locate(target, "pipeline") if target else None
-        self._check_context_length(pipeline_cls)
+        check_context_length(self.bundle_cfg, self.recipe.pipeline)
         if not getattr(pipeline_cls, "samples_from_columns", False):
             return
         column = self.recipe.pipeline.get("image_column", "image")
@@ -62,31 +93,6 @@ class ARTrainer(RLTrainer):
         if self.dedicated is not None and self.dedicated.engine != "hf":
             raise RecipeError(f"rollout.engine={self.dedicated.engine} does not take prompts with images yet (its "
                               "multimodal inputs are not wired): use rollout.engine=hf, or rollout: TrainsideRollout")
-
-    def _check_context_length(self, pipeline_cls: Any) -> None:
-        import inspect
-
-        from unirl_ray.config.recipe import RecipeError
-
-        limit = getattr(self.bundle_cfg, "context_length", None)
-        if not isinstance(limit, int) or pipeline_cls is None:
-            return
-        try:
-            params = inspect.signature(pipeline_cls).parameters
-        except (TypeError, ValueError):
-            return
-        lengths = {}
-        for name in ("max_prompt_tokens", "max_new_tokens"):
-            value = self.recipe.pipeline.get(name, params[name].default if name in params else None)
-            if not isinstance(value, int) or isinstance(value, bool):
-                return
-            lengths[name] = value
-        if sum(lengths.values()) > limit:
-            source = ("the demo model's bundle.config.tiny.max_position_embeddings" if self.bundle_cfg.is_demo else
-                      f"max_position_embeddings in {self.bundle_cfg.pretrained_model_path}/config.json")
-            raise RecipeError(f"pipeline.max_prompt_tokens + pipeline.max_new_tokens = {lengths['max_prompt_tokens']} + "
-                              f"{lengths['max_new_tokens']} = {sum(lengths.values())} exceeds the model's context of "
-                              f"{limit} tokens ({source}); lower one of them")
 
     def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         lengths = np.array([_num_tokens(s) for s in samples], dtype=np.float64)

@@ -67,6 +67,7 @@ from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout, Engin
 from unirl_ray.rollout.trainside import TrainsideRollout
 from unirl_ray.rollout.weight_sync import TensorWeightSync
 from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
+from unirl_ray.trainer.ar import check_context_length
 from unirl_ray.trainer.diffusion import check_image_size
 from unirl_ray.trainer.rl import RLTrainer, _in_background, _split, backend_configs, engine_sections
 
@@ -207,6 +208,7 @@ class PETrainer(RLTrainer):
         self.bundle_cfgs = {name: instantiate(recipe[name].bundle.config) if "config" in recipe[name].bundle else None
                             for name in SIDES}
         check_image_size(self.bundle_cfgs[IMAGE_SIDE], recipe[IMAGE_SIDE].pipeline, where=f"{IMAGE_SIDE}.pipeline")
+        check_context_length(self.bundle_cfgs[TEXT_SIDE], recipe[TEXT_SIDE].pipeline, where=f"{TEXT_SIDE}.pipeline")
         self.dedicated = self.eval_source = self.algorithm = None
         self.engine_set = EngineSet({}, app_names={}, sections={}, feeds={}, seed=0)  # deployed by start_services
         self.sync = self._build("sync") if recipe.get("sync") is not None else None

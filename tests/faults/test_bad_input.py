@@ -4,6 +4,7 @@ call that meets it, with a message naming what is wrong and how to fix it. In-pr
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -104,8 +105,8 @@ def test_a_pipeline_longer_than_the_models_context_fails_on_the_driver(tmp_path)
     ARTrainer(load_recipe(recipe, ["pipeline.max_prompt_tokens=192", "pipeline.max_new_tokens=64"]))  # 256 fits
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 2048}))
     real = os.path.join(ROOT, "recipes", "agentic", "qwen2_5", "gsm8k_python_vllm.yaml")  # 3072 + 1024
-    with pytest.raises(RecipeError, match=rf"= 4096 exceeds the model's context of 2048 tokens \(max_position_embeddings "
-                                          rf"in {tmp_path}/config.json\)"):
+    with pytest.raises(RecipeError, match=r"= 4096 exceeds the model's context of 2048 tokens \(max_position_embeddings "
+                                          + re.escape(f"in {tmp_path}/config.json)")):
         AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": {"max_position_embeddings": 4096}}))
     AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))  # a text_config's counts

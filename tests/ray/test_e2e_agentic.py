@@ -1,5 +1,5 @@
 """End to end on CPU for the agentic trainer: the tiny LM is taught the calculator's tool-call format with
-``train_sft`` (the shipped transcripts: half call the tool, half guess), then trained with agentic GRPO: a colocated HF engine on Ray Serve
+``train_sft`` (the shipped transcripts: a third call the tool, the rest guess), then trained with agentic GRPO: a colocated HF engine on Ray Serve
 driven turn by turn by the RolloutManager (token in, token out), the calculator called by many trajectories
 at once, the answers scored by the reward Serve app, Ray Train workers (FSDP2) training every assistant
 turn, MLflow.
@@ -95,7 +95,8 @@ def test_sft_learns_the_tool_transcripts_evaluates_and_exports(sft):
     first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in range(SFT_STEPS - 2, SFT_STEPS + 1)) / 3
     assert last < 0.1 * first, loss  # seen: 4.7 -> 0.012
     evals = logged(trainer, "eval/loss")
-    assert sorted(evals) == [0, 200, SFT_STEPS] and evals[SFT_STEPS] < evals[200] < evals[0], evals
+    # (the held-out records' prompts are trained in the other mode, tool or guess: their loss need not keep falling)
+    assert sorted(evals) == [0, 200, SFT_STEPS] and max(evals[200], evals[SFT_STEPS]) < 0.1 * evals[0], evals
     for key in ("perf/tokens_per_s", "train/lr", "train/grad_norm", "data/skipped_total", "timing/train"):
         assert len(logged(trainer, key)) == SFT_STEPS, key
     assert sum(logged(trainer, "data/records").values()) == SFT_STEPS * 16  # trainer.batch_size records a step
@@ -116,18 +117,18 @@ def test_agentic_grpo_learns_to_call_the_calculator_and_trains_what_was_sampled(
     assert not trainer.is_demo()  # the SFT export, not the demo model
     reward, calls = logged(trainer, "reward/mean"), logged(trainer, "agent/tool_calls_per_traj")
     assert sorted(reward) == sorted(calls) == list(range(1, STEPS + 1))
-    # The success rate rises by a clear margin: the SFT policy calls the tool on about half of the tasks or
-    # fewer (its guesses are right only when b is 0), and RL learns that the tool pays. The line fitted over the
-    # 20 steps (32 trajectories each) rose, in nine runs of other seeds and SFT exports: reward +0.18 to +0.37,
-    # tool calls per trajectory +0.23 to +0.47; with the learning rate at ~0: +0.00 and -0.02.
-    assert rise(reward) > 0.10, reward
-    assert rise(calls) > 0.15, calls
-    # the evaluations: the same 32 prompts and sampling seeds before the first step and after the last (seen
-    # 0.28-0.38 -> 0.62-0.72 in four runs)
+    # The success rate rises by a clear margin: the SFT policy calls the tool on about a third of the tasks (its
+    # guesses are right only when an operand is 0), and RL learns that the tool pays. The evaluations measure it:
+    # the same 64 prompts with the same sampling seeds before the first step and after the last. Seen in three
+    # runs (seeds 0, 1, 2; seed 0 is this one): eval reward 0.27-0.38 -> 0.56-0.69 (+0.26 to +0.41), eval tool
+    # calls +0.38 to +0.45, and lines fitted over the 20 steps rose by +0.25 to +0.42 (reward) and +0.28 to +0.41
+    # (tool calls); with the learning rate at ~0 the three evaluations gave the same numbers and the fitted lines
+    # rose +0.04 / +0.03. A step's own reward swings with its 4 prompts' difficulty: its line's threshold is lower.
     evals = logged(trainer, "eval/reward_mean")
     assert sorted(evals) == [0, 10, STEPS] and evals[STEPS] > evals[0] + 0.15, evals
     eval_calls = logged(trainer, "eval/agent/tool_calls_per_traj")
-    assert eval_calls[STEPS] > eval_calls[0] + 0.15, eval_calls
+    assert eval_calls[STEPS] > eval_calls[0] + 0.2, eval_calls
+    assert rise(calls) > 0.15 and rise(reward) > 0.1, (calls, reward)
     turns = logged(trainer, "agent/turns_mean")
     assert all(1.0 < v <= 3.0 for v in turns.values()), turns
     assert seen["rows"] >= (STEPS + 2) * 32 * 0.9  # every multi-turn row of every step (and replay) was checked
@@ -162,7 +163,7 @@ def test_evaluation_runs_whole_trajectories_on_held_out_prompts(straight):
     assert sorted(artifacts(trainer, "eval")) == [f"eval/transcripts_step_{s:06d}.json" for s in (0, 10, 20)]
     first, last = (sample_table(trainer, f"eval/transcripts_step_{s:06d}.json") for s in (0, 20))
     first, last = ([dict(zip(t["columns"], row)) for row in t["data"]] for t in (first, last))
-    assert len(first) == len(last) == 32 and all(r["transcript"].startswith("<|bos|><|user|>") for r in first + last)
+    assert len(first) == len(last) == 64 and all(r["transcript"].startswith("<|bos|><|user|>") for r in first + last)
     assert [r["prompt"] for r in first] == [r["prompt"] for r in last]  # the same prompts each time
 
 
@@ -184,7 +185,8 @@ def test_the_separate_placement_gives_the_colocated_numbers(straight, sft, tmp_p
     worker) samples, scores and trains exactly as the colocated straight run over its first two steps."""
     colocated = straight[0]
     trainer = agentic(tmp_path_factory.mktemp("agentic-separate"), "calc-separate", sft[1], "trainer.num_steps=2",
-                      "rollout.placement=separate", "trainer.checkpoint_every=2", "tracking.log_samples_every=0")
+                      "rollout.placement=separate", "trainer.checkpoint_every=2", "tracking.log_samples_every=0",
+                      "trainer.eval_on_start=false", "trainer.eval_every=0")
     trainer.fit()
     assert trainer.dedicated.placement == "separate" and not logged(trainer, "timing/engine_wake")
     for key in ("reward/mean", "rollout/tokens", "agent/turns_mean", "agent/tool_calls_per_traj"):

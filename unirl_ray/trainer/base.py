@@ -33,6 +33,7 @@ RECIPE_FILE = "unirl_recipe.yaml"  # in the run folder: the recipe the run was f
 FINISHED_FILE = "unirl_finished.json"  # in the run folder: the step budget of the last finished fit
 RESUME_SAFE_PREFIXES = (  # recipe keys a resumed run may change: they do not change what is trained
     "trainer.num_steps", "trainer.checkpoint_every", "trainer.export_", "trainer.resume_changed_recipe",
+    "trainer.eval_",  # what is evaluated, and how often: never what is trained
     "trainer.steps_per_call",  # SFT: steps per command to the workers; results do not depend on it
     "trainer.storage_path", "tracking.", "ray.", "stack.micro_batch_size",
     "reward.timeout_s", "reward.max_retries", "reward.num_replicas", "reward.ray_actor_options",

@@ -45,8 +45,9 @@ from unirl_ray.core.sample import Sample
 from unirl_ray.rollout.dedicated import DedicatedEngine, DedicatedRollout
 from unirl_ray.rollout.manager import RolloutManager
 from unirl_ray.runtime.serve import delete_apps
+from unirl_ray.runtime.train_group import WorkerGroupRestarted
 from unirl_ray.train.configs import BACKEND_CONFIG_TYPES, check_backend_config
-from unirl_ray.trainer.base import BaseTrainer, RunConfig, derive_seed
+from unirl_ray.trainer.base import BaseTrainer, RunConfig, console, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,10 @@ class RLRunConfig(RunConfig):
     prompts_per_step: int = 4
     """Distinct prompts per step; each is sampled ``algorithm.group_size`` times."""
     eval_every: int = 0
-    """Evaluate every N steps (and after the last step) on held-out prompts; 0 turns evaluation off."""
+    """Evaluate every N steps (and after the last step) on held-out prompts; 0: no evaluation during training."""
     eval_on_start: bool = False
-    """Also evaluate before the first step (logged at step 0; not on a resume), and after the last step when
-    ``eval_every`` is 0: the baseline the later evaluations are compared with."""
+    """Also evaluate before the first step (logged at step 0; not on a resume): the baseline the later
+    evaluations are compared with."""
     eval_prompts: str | None = None
     """Held-out prompt file or folder (``data.path``'s formats and columns); None evaluates on ``data.path`` (warned)."""
     eval_num_prompts: int = 8
@@ -342,12 +343,27 @@ class RLTrainer(BaseTrainer):
         if self.eval_source is None:  # evaluation off (or a trainer without it: the prompt enhancer)
             return False
         every = self.run_cfg.eval_every
-        return (every > 0 and step % every == 0) or step == self.run_cfg.num_steps
+        return every > 0 and (step % every == 0 or step == self.run_cfg.num_steps)
 
     def run_steps(self, start_step: int) -> dict[str, Any]:
         if self.eval_source is not None and self.run_cfg.eval_on_start and start_step == 0:
-            self.tracker.log_metrics(self.evaluate(0), step=0)
+            self.evaluate_baseline()
         return super().run_steps(start_step)
+
+    def evaluate_baseline(self) -> None:
+        """``trainer.eval_on_start``: the evaluation before the first step, logged at step 0, once per fit (a
+        worker group restarted during it is recovered and the evaluation run again, as during a step)."""
+        if getattr(self, "_baseline_logged", False):
+            return
+        while True:
+            try:
+                metrics = self.evaluate(0)
+                break
+            except WorkerGroupRestarted as exc:
+                self.recover(0, exc)
+        self.tracker.log_metrics(metrics, step=0)
+        self._baseline_logged = True
+        console(f"step 0/{self.run_cfg.num_steps} (before training) | eval reward {metrics['eval/reward_mean']:.4f}")
 
     def assign_credit(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """The credit-assignment stage (``algorithms.credit``): every sample's (and Part's) advantage."""

@@ -105,16 +105,18 @@ def test_a_pipeline_longer_than_the_models_context_fails_on_the_driver(tmp_path)
     ARTrainer(load_recipe(recipe, ["pipeline.max_prompt_tokens=192", "pipeline.max_new_tokens=64"]))  # 256 fits
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 2048}))
     real = os.path.join(ROOT, "recipes", "agentic", "qwen2_5", "gsm8k_python_vllm.yaml")  # 3072 + 1024
-    with pytest.raises(RecipeError, match=r"= 4096 exceeds the model's context of 2048 tokens \(max_position_embeddings "
-                                          + re.escape(f"in {tmp_path}/config.json)")):
+    with pytest.raises(RecipeError, match=r"= 4096 exceeds the model's context of 2048 tokens \("
+                                          + re.escape(f"max_position_embeddings in {tmp_path}/config.json)")):
         AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": {"max_position_embeddings": 4096}}))
+    vlm = {"model_type": "qwen2_5_vl", "text_config": {"max_position_embeddings": 4096}}
+    (tmp_path / "config.json").write_text(json.dumps(vlm))
     AgenticTrainer(load_recipe(real, [f"bundle.config.pretrained_model_path={tmp_path}"]))  # a text_config's counts
     from unirl_ray.trainer.pe import PETrainer  # the prompt enhancer's rewriter side
 
-    with pytest.raises(RecipeError, match=r"ar.pipeline.max_prompt_tokens \+ ar.pipeline.max_new_tokens = 250 \+ 16 = "
-                                          r"266 exceeds .* \(the demo model's ar.bundle.config.tiny.max_position_embeddings\)"):
-        PETrainer(load_recipe(os.path.join(ROOT, "recipes", "pe", "tiny", "pe_tiny.yaml"), ["ar.pipeline.max_prompt_tokens=250"]))
+    pe = os.path.join(ROOT, "recipes", "pe", "tiny", "pe_tiny.yaml")
+    with pytest.raises(RecipeError, match=r"ar.pipeline.max_prompt_tokens \+ ar.pipeline.max_new_tokens = 250 \+ 16 = 266 "
+                                          r"exceeds .* \(the demo model's ar.bundle.config.tiny.max_position_embeddings\)"):
+        PETrainer(load_recipe(pe, ["ar.pipeline.max_prompt_tokens=250"]))
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1,20 +1,20 @@
 """End to end on CPU for the agentic trainer: the tiny LM is taught the calculator's tool-call format with
-``train_sft`` (the shipped transcripts: a third call the tool, the rest guess), then trained with agentic GRPO: a colocated HF engine on Ray Serve
-driven turn by turn by the RolloutManager (token in, token out), the calculator called by many trajectories
-at once, the answers scored by the reward Serve app, Ray Train workers (FSDP2) training every assistant
-turn, MLflow.
+``train_sft`` (the shipped transcripts: a third call the tool, the rest guess), then trained with agentic
+GRPO: a colocated HF engine on Ray Serve driven turn by turn by the RolloutManager (token in, token out), the
+calculator called by many trajectories at once, the answers scored by the reward Serve app, Ray Train workers
+(FSDP2) training every assistant turn, MLflow.
 
-The SFT run is also the SFT trainer's learning test (its loss falls, it evaluates on start and every 100
+The SFT run is also the SFT trainer's learning test (its loss falls, it evaluates on start and every 200
 steps, it logs every step, its export is the folder the agentic GRPO run starts from as it is): one chat-SFT
 fit fewer for the suite (``tests/ray/test_e2e_sft.py`` keeps the SFT kill, resume and image-caption runs).
 
 One straight run of the recipe's 20 steps serves every assertion: the policy learns to call the tool, and its
-success rate rises by a clear margin (in training and in the evaluations before the first step and after the
-last, on the same prompts and seeds); on every trajectory of every step the ids trained are the ids the engine
+success rate rises by a clear margin (in the evaluations before the first step and after the last, on the same
+prompts and seeds, and in training); on every trajectory of every step the ids trained are the ids the engine
 sampled, token for token, and the loss masks are exact; the recorded log-probs equal the trainer's (no update
 between rollout and the first pass); a rank killed during step 6 is replaced, and the run restored from its
-step-4 checkpoint (what a resumed run loads) replays steps 5 and 6 exactly. A two-step run of the same recipe with the engine placed separately gives the straight run's
-first two steps exactly.
+step-4 checkpoint (what a resumed run loads) replays steps 5 and 6 exactly. A two-step run of the same recipe
+with the engine placed separately gives the straight run's first two steps exactly.
 """
 
 import os

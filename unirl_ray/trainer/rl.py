@@ -147,7 +147,8 @@ class RLTrainer(BaseTrainer):
             log.warning("trainer.eval_prompts is not set: evaluating on the first prompts of data.path (not held out)")
         data = OmegaConf.to_container(self.recipe.data, resolve=True)
         if "path" not in data:
-            raise RecipeError(f"trainer.eval_every / eval_on_start need a data source with a path ({data.get('_target_')} has none)")
+            raise RecipeError("trainer.eval_every / eval_on_start need a data source with a path "
+                              f"({data.get('_target_')} has none)")
         return instantiate({**data, "path": cfg.eval_prompts or data["path"], "shuffle": False})
 
     def _dedicated_rollout(self) -> DedicatedRollout | None:

@@ -1,5 +1,7 @@
 """The real-model diffusion recipes at full size on one GPU: load, wrap, sample, score, train, export.
 
+Cases: Wan2.1 1.3B, SD3.5 Medium (Flow-GRPO and DiffusionNFT), FLUX.1-dev and Qwen-Image (Flow-GRPO, LoRA).
+
 A prepared device check, not a CI test (CI has no GPU). For each case it writes (once per family) a
 diffusers folder with the published architecture and random bf16 weights
 (``unirl_ray.tools.random_checkpoint``), loads the UNCHANGED real recipe from ``recipes/diffusion/``
@@ -45,6 +47,8 @@ sys.path.insert(0, str(REPO))
 SECTIONS = ("bundle", "pipeline", "backend", "algorithm", "stack", "rollout")
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen", "a sailing boat"]
 
+_TINY_PICKSCORE = "reward.rewards={pickscore: {fn: unirl_ray.rewards.image_model.PickScoreReward, kwargs: {tiny: true}}}"
+
 # name -> (family, real recipe, tiny twin, overrides shrinking one step to one GPU, prompts, group size)
 CASES: dict[str, dict[str, Any]] = {
     "wan2.1-1.3b-flowgrpo-lora": dict(
@@ -62,6 +66,18 @@ CASES: dict[str, dict[str, Any]] = {
         tiny="recipes/diffusion/sd3/sd3_tiny_nft.yaml", prompts=2, group=4,
         overrides=["algorithm.group_size=4", "stack.micro_batch_size=4", "stack.mini_batch_size=null",
                    "rollout.micro_batch_size=8"]),
+    # the PickScore reward of the FLUX / Qwen-Image recipes is swapped for a tiny random CLIP of the same class
+    # (its weights are not on the device machine; the policy model's memory and step time are what is measured)
+    "flux.1-dev-flowgrpo-lora": dict(
+        family="flux.1-dev", recipe="recipes/diffusion/flux/flux1_dev_pickscore_flowgrpo.yaml",
+        tiny="recipes/diffusion/flux/flux_tiny_flowgrpo.yaml", prompts=1, group=4,
+        overrides=["algorithm.group_size=4", "stack.micro_batch_size=2", "stack.mini_batch_size=4",
+                   "rollout.micro_batch_size=4", _TINY_PICKSCORE]),
+    "qwen-image-flowgrpo-lora": dict(
+        family="qwen-image", recipe="recipes/diffusion/qwen_image/qwen_image_pickscore_flowgrpo.yaml",
+        tiny="recipes/diffusion/qwen_image/qwen_image_tiny_flowgrpo.yaml", prompts=1, group=4,
+        overrides=["algorithm.group_size=4", "stack.micro_batch_size=2", "stack.mini_batch_size=4",
+                   "rollout.micro_batch_size=4", _TINY_PICKSCORE]),
 }
 
 

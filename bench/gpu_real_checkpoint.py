@@ -39,7 +39,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from _common import free_port  # noqa: E402  (bench/ is on sys.path when run as a script; stdlib only)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -224,7 +223,7 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port to take
     if device.type == "cuda":
         torch.cuda.set_device(0)
     work = args.workdir or tempfile.mkdtemp(prefix="unirl_gpu_check_")

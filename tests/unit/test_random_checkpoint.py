@@ -2,6 +2,7 @@
 and (GPU only) the full-size device check of the real diffusion recipes."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -129,6 +130,21 @@ def test_refuses_to_overwrite_a_folder_and_unknown_families(tmp_path):
         write_checkpoint("sd3.5-medium", str(tmp_path), configs_only=True)
     with pytest.raises(ValueError, match="sd3.5-medium"):
         write_checkpoint("sd3-large", str(tmp_path / "x"), configs_only=True)
+
+
+def test_the_device_check_runs_every_case_on_the_tiny_twins(tmp_path):
+    """bench/gpu_real_checkpoint.py --tiny: the script a lent GPU runs, on the CPU with each case's tiny recipe twin
+    and the case's own overrides, so that it does not rot between the sessions that have a GPU (~7 s)."""
+    out = tmp_path / "report.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_real_checkpoint.py"), "--tiny", "--steps", "1",
+                    "--json-out", str(out)], check=True, timeout=600, capture_output=True)
+    cases = json.loads(out.read_text())["cases"]
+    assert {c["case"] for c in cases} >= {"sd3.5m-flowgrpo-lora", "flux.1-dev-flowgrpo-lora", "qwen-image-flowgrpo-lora"}
+    for case in cases:
+        assert "error" not in case and [s["policy_version"] for s in case["steps"]] == [1], case
+        assert case["trainable_params"] > 0 and math.isfinite(case["steps"][0]["train/loss"]), case
+        if "flowgrpo" in case["case"]:  # rollout and trainer log-probs agree at step start (NFT records none)
+            assert abs(case["steps"][0]["rollout/logp_gap"]) < 1e-4, case
 
 
 @pytest.mark.gpu

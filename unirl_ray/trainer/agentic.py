@@ -35,7 +35,7 @@ from unirl_ray.algorithms.credit import CreditAssignment
 from unirl_ray.config.checks import check_literal_fields
 from unirl_ray.config.recipe import RecipeError, instantiate, locate
 from unirl_ray.core.sample import Sample, TextPart, routed_parts
-from unirl_ray.trainer.ar import ARRunConfig, ARTrainer
+from unirl_ray.trainer.ar import ARRunConfig, ARTrainer, pipeline_setting
 from unirl_ray.trainer.base import derive_seed
 from unirl_ray.trainer.rl import RLTrainer
 
@@ -118,7 +118,10 @@ class AgenticTrainer(ARTrainer):
         except ValueError as exc:
             raise RecipeError(f"bundle.config: {exc}") from None
         pipeline = self.recipe.pipeline
-        self.max_context_tokens = int(pipeline.get("max_prompt_tokens", 64))
+        longest = pipeline_setting(pipeline, "max_prompt_tokens")
+        if not isinstance(longest, int) or isinstance(longest, bool):
+            raise RecipeError(f"pipeline.max_prompt_tokens must be set (the longest context a turn may see), got {longest!r}")
+        self.max_context_tokens = longest
         self._env_takes_tokenizer = _accepts(locate(self.recipe.environment.get("_target_"), "environment"), "tokenizer")
         env = self.make_environment()  # built once here: a bad environment section fails before workers start
         for method in ("reset", "step", "answer"):

@@ -18,29 +18,36 @@ from unirl_ray.core.sample import Sample
 from unirl_ray.trainer.rl import RLRunConfig, RLTrainer
 
 
+def pipeline_setting(pipeline: Any, name: str, where: str = "pipeline") -> Any:
+    """A pipeline section's ``name``: the recipe's value, else the default of its ``_target_``'s constructor (None
+    where it has neither)."""
+    import inspect
+
+    from unirl_ray.config.recipe import locate
+
+    if name in pipeline:
+        return pipeline.get(name)
+    target = pipeline.get("_target_")
+    try:
+        param = inspect.signature(locate(target, where)).parameters.get(name) if target else None
+    except (TypeError, ValueError):
+        return None
+    return None if param is None or param.default is param.empty else param.default
+
+
 def check_context_length(bundle_cfg: Any, pipeline: Any, where: str = "pipeline") -> None:
     """``RecipeError`` when a text pipeline's longest sequence (``max_prompt_tokens + max_new_tokens``, its class's
     defaults where the recipe leaves them out) exceeds the model's context (``bundle_cfg.context_length``: the
     demo model's, or the folder's config.json); the ranks and every engine replica would refuse it only once
     started. ``bundle_cfg`` is the family config or None (nothing to check)."""
-    import inspect
-
-    from unirl_ray.config.recipe import RecipeError, locate
+    from unirl_ray.config.recipe import RecipeError
 
     limit = getattr(bundle_cfg, "context_length", None)
-    target = pipeline.get("_target_")
-    if not isinstance(limit, int) or not target:
+    if not isinstance(limit, int):
         return
-    try:
-        params = inspect.signature(locate(target, where)).parameters
-    except (TypeError, ValueError):
+    lengths = [pipeline_setting(pipeline, name, where) for name in ("max_prompt_tokens", "max_new_tokens")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in lengths):
         return
-    lengths = []
-    for name in ("max_prompt_tokens", "max_new_tokens"):
-        value = pipeline.get(name, params[name].default if name in params else None)
-        if not isinstance(value, int) or isinstance(value, bool):
-            return
-        lengths.append(value)
     if sum(lengths) > limit:
         side = where[: -len("pipeline")] if where.endswith("pipeline") else ""  # "ar." on the prompt enhancer's side
         source = (f"max_position_embeddings in {bundle_cfg.pretrained_model_path}/config.json" if not bundle_cfg.is_demo

@@ -181,6 +181,9 @@ EMBEDDED_RAY_ENV = {
     # 0.5 s later, none is lost). With the ~330 log files of 150 actors started and gone, it used 3.7% of a
     # core while idle, 1.6% at 0 (30 s each, 2 cores, 2026-12-06); ~17 CPU-s of the shared-Ray test lane
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    # what Ray Train sets for its controller (it blocks on Ray calls inside its async methods by design); here
+    # every process inherits it, so the controller and its workers need no runtime env (runtime.train_controller)
+    "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
 }
 """What an embedded Ray (``ensure_ray`` without an address) runs with, unless the environment says otherwise;
 the processes of the Ray it starts inherit it."""
@@ -190,7 +193,8 @@ _NOT_INHERITED = ("RAY_", "CUDA_", "HIP_", "ROCR_")
 """Variables an embedded Ray's daemons must not inherit (Ray's own settings, accelerator visibility, which
 ``ray.init`` reads to count GPUs): a recipe that sets one passes its variables as a runtime env instead."""
 _inherited: tuple[str, dict[str, str]] | None = None
-"""``(node id, variables)`` of the local Ray ``start_local_ray`` started: every process of it inherits them."""
+"""``(node id, environment)`` of the local Ray ``start_local_ray`` started: its daemons' environment (the driver's at
+the start, with the variables given), which every process of it inherits."""
 
 
 def start_local_ray(num_cpus: int, env_vars: Mapping[str, str], **init_kwargs: Any) -> None:
@@ -204,6 +208,7 @@ def start_local_ray(num_cpus: int, env_vars: Mapping[str, str], **init_kwargs: A
     global _inherited
     saved = {k: os.environ.get(k) for k in env_vars}
     os.environ.update(env_vars)
+    environment = dict(os.environ)  # what the daemons start with, and pass on to every process they start
     try:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
     finally:
@@ -213,7 +218,7 @@ def start_local_ray(num_cpus: int, env_vars: Mapping[str, str], **init_kwargs: A
             else:
                 os.environ[key] = value
     try:
-        _inherited = (ray.get_runtime_context().get_node_id(), dict(env_vars))
+        _inherited = (ray.get_runtime_context().get_node_id(), environment)
     except RuntimeError:  # no node to tie them to (ray.init did not connect): nothing counts as inherited
         _inherited = None
 

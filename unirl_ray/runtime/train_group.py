@@ -276,6 +276,12 @@ def _torch_trainer_class(*, with_datasets: bool = True) -> type:
     - its ``DatasetManager`` when the run passes no datasets (``with_datasets=False``): an actor process per
       run that imports Ray Data to split nothing (~3 CPU-seconds at every start on a 2-core machine). The
       workers then have no dataset shard provider, and ``runtime.worker`` opens no shards.
+
+    and, where every process of the Ray inherited the variables Ray Train would give its controller as a
+    runtime env (the embedded local Ray, ``cluster.start_local_ray``), a controller and workers without a
+    runtime env of their own (``runtime.train_controller``: no setup process per actor, idle workers taken);
+    the autoscaling coordinator the controller waits for before it asks for its workers (a detached actor, one
+    per cluster) is then created by the driver as the controller starts, beside it instead of after it.
     """
     from ray.train.torch import TorchTrainer
 
@@ -292,7 +298,55 @@ def _torch_trainer_class(*, with_datasets: bool = True) -> type:
                 drop += (DatasetsCallback,)
             return [c for c in super()._create_default_callbacks() if not isinstance(c, drop)]
 
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if not _controller_env_inherited():
+                return super()._initialize_and_run_controller(**controller_init_kwargs)
+            from ray._raylet import RAY_NODE_ID_KEY
+
+            from unirl_ray.runtime.train_controller import InheritedEnvController
+
+            _start_autoscaling_coordinator()
+            # as Ray Train starts its controller (on the driver's node, no CPU), without the runtime env
+            controller = ray.remote(num_cpus=0, label_selector={RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()})(
+                InheritedEnvController).remote(**controller_init_kwargs)
+            ray.get(controller.run.remote())
+            return ray.get(controller.get_result.remote())
+
     return Trainer
+
+
+def _controller_env_inherited() -> bool:
+    """Whether every variable Ray Train would give its controller as a runtime env (the driver's ``RAY_TRAIN_*``
+    settings, ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``) is one the processes of this Ray inherited, with the same
+    value (``cluster.inherited_env_vars``: a local Ray this process started); False where Ray Train's layout is
+    not the one known here."""
+    from unirl_ray.runtime.cluster import inherited_env_vars
+
+    try:
+        from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR as WARN
+        from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE as QUIET
+        from ray.train.v2._internal.constants import get_env_vars_to_propagate
+        from ray.train.v2._internal.execution.controller.controller import TrainController
+    except ImportError:
+        return False
+    if getattr(TrainController, "worker_group_cls", None) is None:
+        return False
+    inherited = inherited_env_vars()
+    wanted = get_env_vars_to_propagate()
+    wanted.setdefault(WARN, QUIET)
+    return bool(inherited) and all(inherited.get(key) == value for key, value in wanted.items())
+
+
+def _start_autoscaling_coordinator() -> None:
+    """Create Ray's autoscaling coordinator (a detached actor, one per cluster, that Ray Train's controller
+    registers its resource request with, waiting for it, before it starts the workers) unless it exists."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+    except ImportError:  # another layout: the controller creates it, as it always does
+        return
+    get_or_create_autoscaling_coordinator()
 
 
 def _worker_runtime_env() -> dict[str, Any] | None:

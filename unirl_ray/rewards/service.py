@@ -248,12 +248,15 @@ def build_reward_app(config: RewardConfig | Mapping[str, Any]) -> serve.Applicat
     """The bound ``RewardService`` deployment with replicas, resources and concurrency from the config."""
     from ray import serve
 
+    from unirl_ray.runtime.serve import BUILD_LOCK
+
     cfg = RewardConfig.from_dict(config)
-    return serve.deployment(**DEPLOYMENT_OPTIONS)(RewardService).options(
-        num_replicas=cfg.num_replicas,
-        ray_actor_options=dict(cfg.ray_actor_options),
-        max_ongoing_requests=cfg.max_ongoing_requests,
-    ).bind(cfg.to_dict())
+    with BUILD_LOCK:
+        return serve.deployment(**DEPLOYMENT_OPTIONS)(RewardService).options(
+            num_replicas=cfg.num_replicas,
+            ray_actor_options=dict(cfg.ray_actor_options),
+            max_ongoing_requests=cfg.max_ongoing_requests,
+        ).bind(cfg.to_dict())
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -263,20 +263,21 @@ def engine_app(cfg: DedicatedRollout, *, sections: dict[str, Any], seed: int, ap
     from ray import serve
 
     from unirl_ray.config.recipe import locate
-    from unirl_ray.runtime.serve import SHUTDOWN_POLL_S
+    from unirl_ray.runtime.serve import BUILD_LOCK, SHUTDOWN_POLL_S
     from unirl_ray.runtime.train_group import NAMESPACE
 
-    deployment = serve.deployment(locate(_ENGINES[cfg.engine]), name="RolloutEngine").options(
-        num_replicas=cfg.num_replicas,
-        ray_actor_options=dict(cfg.ray_actor_options),
-        max_ongoing_requests=cfg.max_ongoing_requests,
-        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
-        logging_config={"enable_access_log": False},  # no access-log line per generate call
-    )
     extra: dict[str, Any] = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}
     if cfg.engine == "vllm" and cfg.placement == "colocated":
         extra["colocated"] = True
-    return deployment.bind(sections, (f"{app_name}-weights", NAMESPACE), seed, **extra)
+    with BUILD_LOCK:
+        deployment = serve.deployment(locate(_ENGINES[cfg.engine]), name="RolloutEngine").options(
+            num_replicas=cfg.num_replicas,
+            ray_actor_options=dict(cfg.ray_actor_options),
+            max_ongoing_requests=cfg.max_ongoing_requests,
+            graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+            logging_config={"enable_access_log": False},  # no access-log line per generate call
+        )
+        return deployment.bind(sections, (f"{app_name}-weights", NAMESPACE), seed, **extra)
 
 
 def section_differences(served: Any, wanted: Any, where: str = "") -> list[str]:

@@ -22,6 +22,13 @@ STATUS_POLL_S = 0.1
 
 _START_LOCK = threading.Lock()
 
+BUILD_LOCK = threading.RLock()
+"""Held while a Serve deployment or app is built (``serve.deployment``, ``.options``, ``.bind``) or submitted
+(``run_app``): Ray Serve serializes each deployment config's request router by registering its module in
+cloudpickle's process-wide pickle-by-value registry and unregistering it after, so two threads building at once
+(a reward app and a rollout engine deploying in parallel) failed with "<module ...request_router> is not
+registered for pickle by value" when the second one unregistered what the first had."""
+
 
 def start_serve(http_port: int | None = None, host: str = "127.0.0.1") -> None:
     """Start Serve with HTTP off (default), or with one proxy bound to ``host``:``http_port`` (loopback unless
@@ -56,8 +63,9 @@ def run_app(app: Any, name: str, *, route_prefix: str | None, timeout_s: float) 
     deadline = time.monotonic() + timeout_s
 
     def deploy() -> Any:
-        target = serve.RunTarget(app, name=name, route_prefix=route_prefix)
-        handle = serve.run_many([target], wait_for_applications_running=False)[0]
+        with BUILD_LOCK:
+            target = serve.RunTarget(app, name=name, route_prefix=route_prefix)
+            handle = serve.run_many([target], wait_for_applications_running=False)[0]
         while True:
             status = _app_statuses().get(name)
             if status is not None and status.status == "RUNNING":

@@ -59,10 +59,13 @@ def build_policy_app(source: str, *, name: str | None = None, api_key: str | Non
                                      num_replicas=num_replicas, ray_actor_options=ray_actor_options,
                                      torch_dtype=torch_dtype, max_ongoing_requests=max_ongoing_requests,
                                      engine_kwargs=engine_kwargs)
+    from unirl_ray.runtime.serve import BUILD_LOCK
+
     options = {"num_cpus": 1, **(ray_actor_options or {})}
-    return PolicyServer.options(num_replicas=num_replicas, ray_actor_options=options,
-                                max_ongoing_requests=max_ongoing_requests).bind(
-        source, name=name, api_key=api_key, torch_dtype=torch_dtype, tracking_uri=tracking_uri)
+    with BUILD_LOCK:
+        return PolicyServer.options(num_replicas=num_replicas, ray_actor_options=options,
+                                    max_ongoing_requests=max_ongoing_requests).bind(
+            source, name=name, api_key=api_key, torch_dtype=torch_dtype, tracking_uri=tracking_uri)
 
 
 def _vllm_model_path(source: str, engine: str, tracking_uri: str | None) -> tuple[str, str] | None:

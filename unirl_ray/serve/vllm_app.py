@@ -112,7 +112,10 @@ def build_vllm_policy_app(model_path: str, *, name: str, api_key: str | None = N
         callback_config={"callback_class": "unirl_ray.serve.vllm_node_init.LocalFolderModel"},
         **({"runtime_env": {"env_vars": env}} if env else {}),  # the replica's; its engine processes inherit it
     )
-    server = build_llm_deployment(config)
-    ingress = make_fastapi_ingress(OpenAiIngress, app=_ingress_app(api_key))
-    return serve.deployment(ingress, **OpenAiIngress.get_deployment_options([config])).bind(
-        llm_deployments={name: server}, model_cards={name: to_model_metadata(name, config)})
+    from unirl_ray.runtime.serve import BUILD_LOCK
+
+    with BUILD_LOCK:
+        server = build_llm_deployment(config)
+        ingress = make_fastapi_ingress(OpenAiIngress, app=_ingress_app(api_key))
+        return serve.deployment(ingress, **OpenAiIngress.get_deployment_options([config])).bind(
+            llm_deployments={name: server}, model_cards={name: to_model_metadata(name, config)})

@@ -105,12 +105,20 @@ class DiffusersBundle:
     and ``_pipe`` (the cached pipeline).
     """
 
-    pipeline_class: ClassVar[type]
-    """The diffusers pipeline class the components belong to."""
+    pipeline_class_name: ClassVar[str]
+    """The diffusers pipeline class the components belong to, by its name in ``diffusers`` (imported on first use,
+    ``pipeline_class()``: a driver that only checks a recipe's targets does not import diffusers)."""
     frozen_components: ClassVar[tuple[str, ...]]
     """Components that are never trained (frozen by ``from_diffusers``)."""
     media: ClassVar[str]
     """What the model generates, in the demo warning (``"images"``)."""
+
+    @classmethod
+    def pipeline_class(cls) -> type:
+        """The diffusers pipeline class named by ``pipeline_class_name``."""
+        import diffusers
+
+        return getattr(diffusers, cls.pipeline_class_name)
 
     @classmethod
     def components(cls) -> tuple[str, ...]:
@@ -163,19 +171,19 @@ class DiffusersBundle:
         return self
 
     def diffusers_pipeline(self) -> Any:
-        """A ``pipeline_class`` over these components (used for prompt encoding)."""
+        """A ``pipeline_class()`` over these components (used for prompt encoding)."""
         if self._pipe is None:
             self._pipe = self._new_pipeline()
         return self._pipe
 
     def _new_pipeline(self) -> Any:
-        return self.pipeline_class(**{name: getattr(self, name) for name in self.components()})
+        return self.pipeline_class()(**{name: getattr(self, name) for name in self.components()})
 
     def save_pretrained(self, directory: str) -> str:
-        """Write every component as a diffusers ``pipeline_class`` folder; returns its ``transformer/``.
+        """Write every component as a diffusers ``pipeline_class()`` folder; returns its ``transformer/``.
 
         The folder (``model_index.json`` and one sub-folder per component) loads with
-        ``pipeline_class.from_pretrained(directory)``, its transformer alone with the transformer
+        ``pipeline_class().from_pretrained(directory)``, its transformer alone with the transformer
         class's ``from_pretrained(directory, subfolder="transformer")``, and it is a valid
         ``pretrained_model_ckpt_path``.
         """

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from unirl_ray.models.causal_lm.config import CausalLMConfig, TinyLMConfig
 from unirl_ray.models.causal_lm.tokenizer import build_char_tokenizer
@@ -21,6 +20,8 @@ def build_tiny_causal_lm(tiny: TinyLMConfig, tokenizer: Any) -> torch.nn.Module:
 
     The global RNG is left untouched (initialisation runs under ``torch.random.fork_rng``).
     """
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,
@@ -69,6 +70,8 @@ class CausalLMBundle:
         else:
             path = config.pretrained_model_path
             logger.info("CausalLM: loading %s (%s)", path, config.torch_dtype)
+            from transformers import AutoModelForCausalLM
+
             model = AutoModelForCausalLM.from_pretrained(path, dtype=config.dtype, local_files_only=True)
             tokenizer = _load_tokenizer(path)
         model.eval()
@@ -137,7 +140,7 @@ def _tokenizer_class(path: str) -> Any:
     ``Qwen2Tokenizer`` onto it, which silently drops spaces and newlines."""
     import json
 
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     config = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(config):

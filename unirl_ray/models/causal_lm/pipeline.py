@@ -23,11 +23,11 @@ Shapes: ``B`` batch, ``P`` longest prompt, ``N = max_new_tokens``, ``L`` longest
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Annotated, Any
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from unirl_ray.config.checks import Bound, PositiveInt, check_choice
 from unirl_ray.core.sample import TextPart
@@ -38,9 +38,15 @@ TopP = Annotated[float, Bound(gt=0, le=1, why="1 disables nucleus sampling")]
 
 logger = logging.getLogger(__name__)
 
-# transformers >= 5.2x renamed the model's ``past_key_values`` argument / output field to ``cache``
-# (the old name still works but warns); use whichever this version defines.
-_CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+@functools.cache
+def _cache_key() -> str:
+    """The name of the KV cache in a causal LM's call and output: transformers >= 5.2x renamed the model's
+    ``past_key_values`` argument / output field to ``cache`` (the old name still works but warns); whichever this
+    version defines (read on first use: importing this module does not import transformers)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
@@ -249,10 +255,10 @@ class CausalLMPipeline:
                 attention_mask=attention,
                 position_ids=step_positions,
                 use_cache=True,
-                **{_CACHE_KEY: cache},
+                **{_cache_key(): cache},
                 **(prefill_inputs if t == 0 else {}),
             )
-            cache = getattr(out, _CACHE_KEY)
+            cache = getattr(out, _cache_key())
             logp_all = torch.log_softmax(self._mask_logits(out.logits[:, -1]).float() / self.temperature, dim=-1)
             uniforms = torch.stack([torch.rand((), generator=g) for g in generators])
             token = draw_tokens(nucleus_filter(logp_all.exp(), self.top_p), uniforms)

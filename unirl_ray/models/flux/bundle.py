@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 from unirl_ray.models.diffusers_family import DiffusersBundle
 from unirl_ray.models.flux.config import FluxPipelineConfig
-from unirl_ray.models.flux.tiny import build_tiny_flux_pipeline
+
+if TYPE_CHECKING:
+    from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class FluxBundle(DiffusersBundle):
     ``FluxTransformer2DModel.from_pretrained(directory, subfolder="transformer")``.
     """
 
-    pipeline_class = DiffusersFluxPipeline
+    pipeline_class_name = "FluxPipeline"
     frozen_components = FROZEN_COMPONENTS
     media = "images"
 
@@ -53,6 +54,10 @@ class FluxBundle(DiffusersBundle):
     @classmethod
     def from_config(cls, config: FluxPipelineConfig) -> "FluxBundle":
         """Load ``config.pretrained_model_ckpt_path`` (local files only) or build the tiny demo model."""
+        from diffusers import FluxPipeline as DiffusersFluxPipeline
+
+        from unirl_ray.models.flux.tiny import build_tiny_flux_pipeline
+
         if config.is_demo:
             cls._warn_demo(config)
             pipe = build_tiny_flux_pipeline(config.tiny)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers import FluxPipeline as DiffusersFluxPipeline
 
 from unirl_ray.config.checks import PositiveInt
 from unirl_ray.models.flow_sde import (
@@ -109,6 +107,8 @@ class FluxPipeline(FlowSDEPipeline):
         return (h // PACK) * (w // PACK)
 
     def _compute_sigmas(self) -> torch.Tensor:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         sched = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
         n = self.num_inference_steps
         kwargs = {"sigmas": np.linspace(1.0, 1.0 / n, n).tolist()}
@@ -149,6 +149,8 @@ class FluxPipeline(FlowSDEPipeline):
     ) -> torch.Tensor:
         """Velocity [B, C, h, w] (float32) at latents ``x`` [B, C, h, w] and noise levels ``sigma`` [B]: the
         latents go in packed, with the image / text position ids and the distilled guidance."""
+        from diffusers import FluxPipeline as DiffusersFluxPipeline
+
         dtype, device = self.bundle.dtype, x.device
         _, _, h, w = x.shape
         pe, pooled = cond["prompt_embeds"], cond["pooled"]

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
 
 from unirl_ray.models.diffusers_family import DiffusersBundle
 from unirl_ray.models.qwen_image.config import QwenImagePipelineConfig
-from unirl_ray.models.qwen_image.tiny import build_tiny_qwen_image_pipeline
+
+if TYPE_CHECKING:
+    from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class QwenImageBundle(DiffusersBundle):
     ``QwenImageTransformer2DModel.from_pretrained(directory, subfolder="transformer")``.
     """
 
-    pipeline_class = DiffusersQwenImagePipeline
+    pipeline_class_name = "QwenImagePipeline"
     frozen_components = FROZEN_COMPONENTS
     media = "images"
 
@@ -60,6 +61,10 @@ class QwenImageBundle(DiffusersBundle):
     @classmethod
     def from_config(cls, config: QwenImagePipelineConfig) -> "QwenImageBundle":
         """Load ``config.pretrained_model_ckpt_path`` (local files only) or build the tiny demo model."""
+        from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
+
+        from unirl_ray.models.qwen_image.tiny import build_tiny_qwen_image_pipeline
+
         if config.is_demo:
             cls._warn_demo(config)
             pipe = build_tiny_qwen_image_pipeline(config.tiny)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from unirl_ray.config.checks import PositiveInt
 from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, to_uint8, vae_latent_stats
@@ -96,6 +95,8 @@ class QwenImagePipeline(FlowSDEPipeline):
 
     def _compute_sigmas(self) -> torch.Tensor:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         sched = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
         n, cfg = self.num_inference_steps, sched.config

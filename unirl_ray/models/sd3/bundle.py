@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import StableDiffusion3Pipeline
 
 from unirl_ray.models.diffusers_family import DiffusersBundle
 from unirl_ray.models.sd3.config import SD3PipelineConfig
-from unirl_ray.models.sd3.tiny import build_tiny_sd3_pipeline
+
+if TYPE_CHECKING:
+    from diffusers import StableDiffusion3Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class SD3Bundle(DiffusersBundle):
     ``SD3Transformer2DModel.from_pretrained(directory, subfolder="transformer")``.
     """
 
-    pipeline_class = StableDiffusion3Pipeline
+    pipeline_class_name = "StableDiffusion3Pipeline"
     frozen_components = FROZEN_COMPONENTS
     media = "images"
 
@@ -58,6 +59,10 @@ class SD3Bundle(DiffusersBundle):
     @classmethod
     def from_config(cls, config: SD3PipelineConfig) -> "SD3Bundle":
         """Load ``config.pretrained_model_ckpt_path`` (local files only) or build the tiny demo model."""
+        from diffusers import StableDiffusion3Pipeline
+
+        from unirl_ray.models.sd3.tiny import build_tiny_sd3_pipeline
+
         if config.is_demo:
             cls._warn_demo(config)
             pipe = build_tiny_sd3_pipeline(config.tiny)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from unirl_ray.config.checks import PositiveInt
 from unirl_ray.models.flow_sde import (  # noqa: F401  (re-exported: the SDE math's historical home)
@@ -92,6 +91,8 @@ class SD3Pipeline(FlowSDEPipeline):
         return (int(self.bundle.vae.config.latent_channels), self.height // f, self.width // f)
 
     def _compute_sigmas(self) -> torch.Tensor:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         sched = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
         kwargs = {}
         if sched.config.get("use_dynamic_shifting", False):

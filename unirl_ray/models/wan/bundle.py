@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import AutoencoderKLWan
-from diffusers import WanPipeline as DiffusersWanPipeline
 
 from unirl_ray.models.diffusers_family import DiffusersBundle
 from unirl_ray.models.wan.config import WanPipelineConfig
-from unirl_ray.models.wan.tiny import build_tiny_wan_pipeline
+
+if TYPE_CHECKING:
+    from diffusers import WanPipeline as DiffusersWanPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class WanBundle(DiffusersBundle):
     ``WanTransformer3DModel.from_pretrained(directory, subfolder="transformer")``.
     """
 
-    pipeline_class = DiffusersWanPipeline
+    pipeline_class_name = "WanPipeline"
     frozen_components = FROZEN_COMPONENTS
     media = "videos"
 
@@ -50,6 +50,11 @@ class WanBundle(DiffusersBundle):
     @classmethod
     def from_config(cls, config: WanPipelineConfig) -> "WanBundle":
         """Load ``config.pretrained_model_ckpt_path`` (local files only) or build the tiny demo model."""
+        from diffusers import AutoencoderKLWan
+        from diffusers import WanPipeline as DiffusersWanPipeline
+
+        from unirl_ray.models.wan.tiny import build_tiny_wan_pipeline
+
         if config.is_demo:
             cls._warn_demo(config)
             pipe = build_tiny_wan_pipeline(config.tiny)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from unirl_ray.config.checks import PositiveInt
 from unirl_ray.models.flow_sde import FlowSDEPipeline, GuidanceScale, NoiseLevel, to_uint8, vae_latent_stats
@@ -90,6 +89,8 @@ class WanPipeline(FlowSDEPipeline):
     def _compute_sigmas(self) -> torch.Tensor:
         """Shifted flow-matching sigmas; a non-Euler checkpoint scheduler (Wan2.1 ships UniPC) gives its
         ``flow_shift`` and ``num_train_timesteps`` to an Euler schedule (the SDE needs plain sigmas)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         cfg = self.bundle.scheduler.config
         if isinstance(self.bundle.scheduler, FlowMatchEulerDiscreteScheduler):
             sched = FlowMatchEulerDiscreteScheduler.from_config(cfg)

@@ -7,14 +7,13 @@ classes DCP's metadata consists of, so a tampered checkpoint cannot run code on 
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 
 
@@ -60,19 +59,38 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """A ``FileSystemReader`` whose metadata is read with a restricted unpickler."""
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported on first use (~1 s, with DTensor and sympy): a driver that only
+    checks a recipe's targets never needs it."""
+    import torch.distributed.checkpoint as dcp
 
-    def read_metadata(self):  # noqa: D401 - DCP hook
-        path = self.fs.concat_path(self.path, ".metadata")
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
+    return dcp
 
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+
+@functools.cache
+def _safe_reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeFileSystemReader(FileSystemReader):
+        """A ``FileSystemReader`` whose metadata is read with a restricted unpickler."""
+
+        def read_metadata(self):  # noqa: D401 - DCP hook
+            path = self.fs.concat_path(self.path, ".metadata")
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader
+
+
+def safe_reader(directory: str) -> Any:
+    """A DCP ``FileSystemReader`` of ``directory`` whose metadata is read with a restricted unpickler."""
+    return _safe_reader_class()(directory)
 
 
 def _check_tensors_only(tree: Any, path: str = "") -> None:
@@ -86,7 +104,7 @@ def _check_tensors_only(tree: Any, path: str = "") -> None:
 def save(state: dict[str, Any], directory: str) -> None:
     """Collective: every rank writes its shards of ``state`` (tensors only) under ``directory``."""
     _check_tensors_only(state)
-    dcp.save(state, checkpoint_id=directory, no_dist=_one_rank())
+    _dcp().save(state, checkpoint_id=directory, no_dist=_one_rank())
 
 
 def _one_rank(group: Any = None) -> bool:
@@ -133,26 +151,26 @@ def save_staged(staged: dict[str, Any], directory: str) -> None:
     staged states in the same order (one thread per rank, one save after another)."""
     group = checkpoint_group()
     if _one_rank(group):
-        dcp.save(staged, checkpoint_id=directory, no_dist=True)
+        _dcp().save(staged, checkpoint_id=directory, no_dist=True)
     else:
-        dcp.save(staged, checkpoint_id=directory, process_group=group)
+        _dcp().save(staged, checkpoint_id=directory, process_group=group)
 
 
 def load(state: dict[str, Any], directory: str) -> None:
     """Collective: fill ``state``'s tensors in place from ``directory`` (resharding as needed)."""
     _check_tensors_only(state)
-    reader = SafeFileSystemReader(directory)
+    reader = safe_reader(directory)
     try:
         reader.read_metadata()  # fail here, clearly, before DCP's collective machinery
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
         raise ValueError(f"checkpoint shards at {directory} are unreadable or unsafe: {exc}") from exc
-    dcp.load(state, storage_reader=reader)
+    _dcp().load(state, storage_reader=reader)
 
 
 def stored_keys(directory: str) -> set[str]:
     """Flattened keys (``"model.blocks.0.weight"``) of the tensors a checkpoint holds."""
     try:
-        metadata = SafeFileSystemReader(directory).read_metadata()
+        metadata = safe_reader(directory).read_metadata()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
         raise ValueError(f"checkpoint shards at {directory} are unreadable or unsafe: {exc}") from exc
     return set(metadata.state_dict_metadata)

@@ -32,14 +32,11 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-import ray
 from unirl_ray.config.recipe import load_recipe
-from unirl_ray.runtime.cluster import EMBEDDED_RAY_ENV
+from unirl_ray.runtime.cluster import RayConfig, ensure_ray
 from unirl_ray.trainer.ar import ARTrainer
 
-for key, value in EMBEDDED_RAY_ENV.items():
-    os.environ.setdefault(key, value)
-ray.init(num_cpus=8, include_dashboard=False)
+ensure_ray(RayConfig(local_num_cpus=8))  # started as a notebook's first fit starts it (an embedded Ray)
 times = []
 for i in range({fits}):
     cfg = load_recipe(os.path.join({repo!r}, "recipes", "ar", "tiny", "char_grpo_direct.yaml"), [

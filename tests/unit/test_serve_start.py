@@ -35,7 +35,8 @@ def test_apps_built_in_parallel_threads_do_not_break_each_others_serialization()
     """Ray Serve registers a module for pickle-by-value in cloudpickle's process-wide registry while it builds a
     deployment's config, and unregisters it after: a reward app and a rollout engine built at once in two
     threads failed a run's start ("... is not registered for pickle by value"; 99 of 400 builds in 4 threads
-    without ``runtime.serve.BUILD_LOCK``). Built here by the trainer's own builders, in 4 threads at once."""
+    without ``runtime.serve.serve_build``). Built here by the trainer's own builders, in 4 threads at once; a build
+    that waits longer than its timeout for another one's is refused with a TimeoutError naming it."""
     from unirl_ray.rewards.service import RewardConfig, build_reward_app
     from unirl_ray.rollout.dedicated import DedicatedRollout, engine_app
 
@@ -57,4 +58,28 @@ def test_apps_built_in_parallel_threads_do_not_break_each_others_serialization()
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert not errors, errors[:2]
+    assert not any(t.is_alive() for t in threads) and not errors, errors[:2]
+
+    from unirl_ray.runtime.serve import serve_build
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with serve_build("the holder"):
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        try:
+            with serve_build("the reward app", timeout_s=0.1):
+                raise AssertionError("entered a build another thread holds")
+        except TimeoutError as exc:
+            assert str(exc).startswith("the reward app: another Serve app's build"), exc
+    finally:
+        release.set()
+        holder.join(10)
+    with serve_build("after", timeout_s=1):  # released: free again
+        pass

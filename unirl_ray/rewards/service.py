@@ -248,10 +248,10 @@ def build_reward_app(config: RewardConfig | Mapping[str, Any]) -> serve.Applicat
     """The bound ``RewardService`` deployment with replicas, resources and concurrency from the config."""
     from ray import serve
 
-    from unirl_ray.runtime.serve import BUILD_LOCK
+    from unirl_ray.runtime.serve import serve_build
 
     cfg = RewardConfig.from_dict(config)
-    with BUILD_LOCK:
+    with serve_build("the reward app"):
         return serve.deployment(**DEPLOYMENT_OPTIONS)(RewardService).options(
             num_replicas=cfg.num_replicas,
             ray_actor_options=dict(cfg.ray_actor_options),

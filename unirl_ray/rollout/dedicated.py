@@ -263,13 +263,13 @@ def engine_app(cfg: DedicatedRollout, *, sections: dict[str, Any], seed: int, ap
     from ray import serve
 
     from unirl_ray.config.recipe import locate
-    from unirl_ray.runtime.serve import BUILD_LOCK, SHUTDOWN_POLL_S
+    from unirl_ray.runtime.serve import SHUTDOWN_POLL_S, serve_build
     from unirl_ray.runtime.train_group import NAMESPACE
 
     extra: dict[str, Any] = {"engine_kwargs": dict(cfg.engine_kwargs)} if cfg.engine_kwargs else {}
     if cfg.engine == "vllm" and cfg.placement == "colocated":
         extra["colocated"] = True
-    with BUILD_LOCK:
+    with serve_build(f"the engine app {app_name!r}"):
         deployment = serve.deployment(locate(_ENGINES[cfg.engine]), name="RolloutEngine").options(
             num_replicas=cfg.num_replicas,
             ray_actor_options=dict(cfg.ray_actor_options),

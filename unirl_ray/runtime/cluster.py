@@ -182,7 +182,9 @@ EMBEDDED_RAY_ENV = {
     # core while idle, 1.6% at 0 (30 s each, 2 cores, 2026-12-06); ~17 CPU-s of the shared-Ray test lane
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     # what Ray Train sets for its controller (it blocks on Ray calls inside its async methods by design); here
-    # every process inherits it, so the controller and its workers need no runtime env (runtime.train_controller)
+    # every process inherits it, so the controller and its workers need no runtime env (runtime.train_controller).
+    # It also silences Ray's warning about a blocking ray.get in an async method in the other processes of this Ray
+    # (Serve replicas, this project's actors): a development aid, not a check
     "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
 }
 """What an embedded Ray (``ensure_ray`` without an address) runs with, unless the environment says otherwise;

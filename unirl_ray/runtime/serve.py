@@ -4,9 +4,10 @@ replica polls for requests still in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from unirl_ray.runtime.timeouts import call_with_timeout
@@ -22,12 +23,28 @@ STATUS_POLL_S = 0.1
 
 _START_LOCK = threading.Lock()
 
-BUILD_LOCK = threading.RLock()
-"""Held while a Serve deployment or app is built (``serve.deployment``, ``.options``, ``.bind``) or submitted
-(``run_app``): Ray Serve serializes each deployment config's request router by registering its module in
-cloudpickle's process-wide pickle-by-value registry and unregistering it after, so two threads building at once
-(a reward app and a rollout engine deploying in parallel) failed with "<module ...request_router> is not
-registered for pickle by value" when the second one unregistered what the first had."""
+_BUILD_LOCK = threading.RLock()
+
+BUILD_TIMEOUT_S = 120.0
+"""The longest a Serve build waits for another thread's (``serve_build``)."""
+
+
+@contextlib.contextmanager
+def serve_build(what: str, timeout_s: float = BUILD_TIMEOUT_S) -> Iterator[None]:
+    """Held while a Serve deployment or app is built (``serve.deployment``, ``.options``, ``.bind``) or submitted
+    (``run_app``): Ray Serve serializes each deployment config's request router by registering its module in
+    cloudpickle's process-wide pickle-by-value registry and unregistering it after, so two threads building at once
+    (a reward app and a rollout engine deploying in parallel) failed with "<module ...request_router> is not
+    registered for pickle by value" when the second one unregistered what the first had. TimeoutError naming
+    ``what`` when another build holds it longer than ``timeout_s`` (a submission whose Serve controller does not
+    answer)."""
+    if not _BUILD_LOCK.acquire(timeout=max(timeout_s, 0.0)):
+        raise TimeoutError(f"{what}: another Serve app's build or submission in this process did not finish within "
+                           f"{timeout_s:.0f}s")
+    try:
+        yield
+    finally:
+        _BUILD_LOCK.release()
 
 
 def start_serve(http_port: int | None = None, host: str = "127.0.0.1") -> None:
@@ -63,9 +80,11 @@ def run_app(app: Any, name: str, *, route_prefix: str | None, timeout_s: float) 
     deadline = time.monotonic() + timeout_s
 
     def deploy() -> Any:
-        with BUILD_LOCK:
+        with serve_build(f"deploy-{name}", deadline - time.monotonic()):
             target = serve.RunTarget(app, name=name, route_prefix=route_prefix)
-            handle = serve.run_many([target], wait_for_applications_running=False)[0]
+            # submitted only: the loop below waits for it (bounded), not Serve (which waits without a timeout)
+            handle = serve.run_many([target], wait_for_ingress_deployment_creation=False,
+                                    wait_for_applications_running=False)[0]
         while True:
             status = _app_statuses().get(name)
             if status is not None and status.status == "RUNNING":

@@ -14,10 +14,11 @@ from unirl_ray.serve import openai_api, resolve_model_source
 api = openai_api.make_app()
 
 
-@serve.deployment(name="PolicyServer")
 @serve.ingress(api)
 class PolicyServer:
-    """Loads the model once per replica; the routes are ``openai_api``'s."""
+    """Loads the model once per replica; the routes are ``openai_api``'s (made a Serve deployment by
+    ``build_policy_app``, under ``runtime.serve.serve_build``: a deployment built at import time could race another
+    thread's build)."""
 
     def __init__(self, source: str, name: str | None = None, api_key: str | None = None,
                  torch_dtype: str = "float32", tracking_uri: str | None = None,
@@ -59,12 +60,12 @@ def build_policy_app(source: str, *, name: str | None = None, api_key: str | Non
                                      num_replicas=num_replicas, ray_actor_options=ray_actor_options,
                                      torch_dtype=torch_dtype, max_ongoing_requests=max_ongoing_requests,
                                      engine_kwargs=engine_kwargs)
-    from unirl_ray.runtime.serve import BUILD_LOCK
+    from unirl_ray.runtime.serve import serve_build
 
     options = {"num_cpus": 1, **(ray_actor_options or {})}
-    with BUILD_LOCK:
-        return PolicyServer.options(num_replicas=num_replicas, ray_actor_options=options,
-                                    max_ongoing_requests=max_ongoing_requests).bind(
+    with serve_build(f"the policy app {name or source!r}"):
+        return serve.deployment(PolicyServer, name="PolicyServer").options(
+            num_replicas=num_replicas, ray_actor_options=options, max_ongoing_requests=max_ongoing_requests).bind(
             source, name=name, api_key=api_key, torch_dtype=torch_dtype, tracking_uri=tracking_uri)
 
 

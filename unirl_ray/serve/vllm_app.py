@@ -112,9 +112,9 @@ def build_vllm_policy_app(model_path: str, *, name: str, api_key: str | None = N
         callback_config={"callback_class": "unirl_ray.serve.vllm_node_init.LocalFolderModel"},
         **({"runtime_env": {"env_vars": env}} if env else {}),  # the replica's; its engine processes inherit it
     )
-    from unirl_ray.runtime.serve import BUILD_LOCK
+    from unirl_ray.runtime.serve import serve_build
 
-    with BUILD_LOCK:
+    with serve_build(f"the vLLM policy app {name!r}"):
         server = build_llm_deployment(config)
         ingress = make_fastapi_ingress(OpenAiIngress, app=_ingress_app(api_key))
         return serve.deployment(ingress, **OpenAiIngress.get_deployment_options([config])).bind(

@@ -2,7 +2,8 @@
 Flow-GRPO sampling pipeline, tiny demo model.
 
 Names are imported lazily: ``from unirl_ray.models.flux import FluxPipelineConfig`` does not import
-diffusers / transformers (only ``FluxBundle``, ``FluxPipeline`` and the tiny builder do).
+diffusers / transformers, and neither does importing ``FluxBundle`` or ``FluxPipeline`` (a driver checks a recipe's
+targets so): they import them where they build, sample or save; the tiny builder's module imports them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Stable Diffusion 3 family: config, component bundle, Flow-GRPO sampling pipeline, tiny demo model.
 
 Names are imported lazily: ``from unirl_ray.models.sd3 import SD3PipelineConfig`` does not import
-diffusers / transformers (only ``SD3Bundle``, ``SD3Pipeline`` and the tiny builder do).
+diffusers / transformers, and neither does importing ``SD3Bundle`` or ``SD3Pipeline`` (a driver checks a recipe's
+targets so): they import them where they build, sample or save; the tiny builder's module imports them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Wan (2.1-style) text-to-video family: config, component bundle, Flow-GRPO sampling pipeline, tiny demo model.
 
 Names are imported lazily: ``from unirl_ray.models.wan import WanPipelineConfig`` does not import
-diffusers / transformers (only ``WanBundle``, ``WanPipeline`` and the tiny builder do).
+diffusers / transformers, and neither does importing ``WanBundle`` or ``WanPipeline`` (a driver checks a recipe's
+targets so): they import them where they build, sample or save; the tiny builder's module imports them.
 """
 
 from __future__ import annotations

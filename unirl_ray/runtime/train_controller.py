@@ -7,8 +7,9 @@ runtime env of its own. A process with a runtime env is started through Ray's se
 interpreter that then starts the worker) and cannot take one of the idle workers Ray starts ahead: ~0.5 CPU-s
 and a process start more per actor. In the embedded local Ray (``cluster.start_local_ray``) every process
 already inherits those variables with the same values from the daemons (one node: a node joined to it by
-hand with ``ray start --address`` would not have them), so the controller and the workers need no runtime env: ``runtime.train_group``'s trainer starts ``InheritedEnvController`` without one when
-that holds, and its worker groups pass on only the run's own ``worker_runtime_env``.
+hand with ``ray start --address`` would not have them), so the controller and the workers need no runtime env:
+``runtime.train_group``'s trainer starts ``InheritedEnvController`` without one when that holds, and its worker
+groups pass on only the run's own ``worker_runtime_env``.
 
 Imported by the controller's process (the class travels by reference), so it imports only Ray Train.
 """

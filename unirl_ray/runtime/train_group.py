@@ -307,8 +307,9 @@ def _torch_trainer_class(*, with_datasets: bool = True) -> type:
 
             _start_autoscaling_coordinator()
             # as Ray Train starts its controller (on the driver's node, no CPU), without the runtime env
-            controller = ray.remote(num_cpus=0, label_selector={RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()})(
-                InheritedEnvController).remote(**controller_init_kwargs)
+            here = {RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}
+            controller = ray.remote(num_cpus=0, label_selector=here)(InheritedEnvController).remote(
+                **controller_init_kwargs)
             ray.get(controller.run.remote())
             return ray.get(controller.get_result.remote())
 
@@ -316,10 +317,10 @@ def _torch_trainer_class(*, with_datasets: bool = True) -> type:
 
 
 def _controller_env_inherited() -> bool:
-    """Whether every variable Ray Train would give its controller as a runtime env (the driver's ``RAY_TRAIN_*``
-    settings, ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``) is one the processes of this Ray inherited, with the same
-    value (``cluster.inherited_env_vars``: a local Ray this process started); False where Ray Train's layout is
-    not the one known here."""
+    """Whether every variable Ray Train would give its controller as a runtime env (those of the driver's it
+    propagates, ``RAY_TRAIN_*`` and a few others; ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``) is one the processes of
+    this Ray inherited, with the same value (``cluster.inherited_env_vars``: a local Ray this process started);
+    False where Ray Train's layout is not the one known here."""
     from unirl_ray.runtime.cluster import inherited_env_vars
 
     try:

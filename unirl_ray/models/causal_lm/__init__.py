@@ -1,8 +1,8 @@
 """Causal-LM family: config, model + tokenizer bundle, sampling pipeline, tiny demo model.
 
 Names are imported lazily: ``from unirl_ray.models.causal_lm import CausalLMConfig`` does not import
-transformers, and neither does importing ``CausalLMBundle`` or ``CausalLMPipeline`` (a driver checks a recipe's targets so):
-they import it where they build, sample or save; ``build_char_tokenizer`` does when used.
+transformers, and neither does importing ``CausalLMBundle`` or ``CausalLMPipeline`` (a driver checks a recipe's
+targets so): they import it where they build, sample or save; ``build_char_tokenizer`` does when used.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 used on single frames): config, component bundle, Flow-GRPO sampling pipeline, tiny demo model.
 
 Names are imported lazily: ``from unirl_ray.models.qwen_image import QwenImagePipelineConfig`` does not import
-diffusers / transformers, and neither does importing ``QwenImageBundle`` or ``QwenImagePipeline`` (a driver checks a recipe's
-targets so): they import them where they build, sample or save; the tiny builder's module imports them.
+diffusers / transformers, and neither does importing ``QwenImageBundle`` or ``QwenImagePipeline`` (a driver checks
+a recipe's targets so): they import them where they build, sample or save; the tiny builder's module imports them.
 """
 
 from __future__ import annotations

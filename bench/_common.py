@@ -65,20 +65,38 @@ def median(values: list[float]) -> float:
 
 def cpu_seconds() -> tuple[float, float]:
     """(this process, its child processes: the embedded Ray cluster) user+system CPU seconds so far."""
+    own, by_pid = _cpu_by_process()
+    return own, sum(cpu for _, cpu in by_pid.values())
+
+
+def _cpu_by_process() -> tuple[float, dict[int, tuple[str, float]]]:
+    """This process's user+system CPU seconds so far, and each child process's (recursive: the embedded Ray's
+    daemons, workers and actors) as ``{pid: (kind, seconds)}``, its kind from its title (``process_cpu.kind``)."""
     try:
         import psutil
     except ImportError:
-        return float("nan"), float("nan")
+        return float("nan"), {}
+    from process_cpu import kind
+
     me = psutil.Process()
     own = me.cpu_times()
-    children = 0.0
+    children: dict[int, tuple[str, float]] = {}
     for proc in me.children(recursive=True):
         try:
             t = proc.cpu_times()
-            children += t.user + t.system
+            children[proc.pid] = (kind(" ".join(proc.cmdline())), t.user + t.system)
         except psutil.Error:
             pass
     return own.user + own.system, children
+
+
+def cpu_by_kind(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each kind of child process used between two ``_cpu_by_process`` samples (a process that started
+    in between counts from zero; one that ended in between is missed)."""
+    used: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        used[name] = used.get(name, 0.0) + cpu - (before[pid][1] if pid in before else 0.0)
+    return used
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,20 +216,28 @@ class Interleave:
         self.order: list[str] = []
         self.walls: dict[str, list[float]] = {s: [] for s in sides}
         self.cpu: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
+        self.cpu_kinds: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
 
     def run(self, side: str, n: int, block: Callable[[int], float], *, measured: bool) -> float:
-        c0 = cpu_seconds()
+        own0, kids0 = _cpu_by_process()
         wall = block(n)
-        c1 = cpu_seconds()
+        own1, kids1 = _cpu_by_process()
         self.order.append(f"{side}{n}")
         if measured:
+            kinds = cpu_by_kind(kids0, kids1)
             self.walls[side].append(wall / n)
-            self.cpu[side].append(((c1[0] - c0[0]) / n, (c1[1] - c0[1]) / n))
+            self.cpu[side].append(((own1 - own0) / n, sum(kinds.values()) / n))
+            self.cpu_kinds[side].append({name: cpu / n for name, cpu in kinds.items()})
         return wall
 
     def cpu_median(self, side: str) -> tuple[float, float]:
         """Block medians of the (this process, child processes) CPU seconds per step."""
         return median([c[0] for c in self.cpu[side]]), median([c[1] for c in self.cpu[side]])
+
+    def cpu_kinds_median(self, side: str) -> dict[str, float]:
+        """Block medians of each kind of child process's CPU seconds per step (``process_cpu.kind``)."""
+        names = {name for block in self.cpu_kinds[side] for name in block}
+        return {name: median([block.get(name, 0.0) for block in self.cpu_kinds[side]]) for name in sorted(names)}
 
 
 def trl_available() -> tuple[bool, str]:

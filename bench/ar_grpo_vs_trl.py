@@ -578,6 +578,7 @@ def side_stats(args, sides: str, runners: dict[str, Any], blocks: Interleave, se
             "stages_median_s": {k: median(series[k]) for k in STAGES},
             "wall_per_step_median_s": median(blocks.walls[side]),
             "cpu_s_per_step_median": {"main_process": cpu_main, "ray_processes": cpu_ray},
+            "ray_cpu_s_per_step_by_kind": blocks.cpu_kinds_median(side),
             "block_medians_s": [median([steps[s]["time"] for s in measured[b * args.block_steps:(b + 1) * args.block_steps]])
                                 for b in range(args.blocks)],
             "steps_to_threshold": first_reaching(curve, args.threshold),
@@ -645,7 +646,12 @@ def print_vs_bare(sides: str, stats: dict[str, dict[str, Any]], runners: dict[st
                   f"{stats[side]['mlflow_log_median_s'] * 1e3:.0f} ms/step, checkpoints "
                   + (", ".join(f"{c:.2f}" for c in stats[side]["checkpoint_s"]) + " s" if stats[side]["checkpoint_s"] else "none")
                   + f" (every {runners[side].trainer.run_cfg.checkpoint_every} steps)")
-    ray_idle = stats["D"]["cpu_s_per_step_median"]["ray_processes"]
+    for side in (s for s in sides if s in "AB"):
+        kinds = {k: v for k, v in stats[side]["ray_cpu_s_per_step_by_kind"].items() if v >= 0.0005}
+        main = stats[side]["cpu_s_per_step_median"]["main_process"]
+        shown = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        print(f"  {side}'s CPU per step by process (block medians, ms): this process (driver) {main * 1e3:.1f}, {shown}")
+    ray_idle = stats["D"]["cpu_s_per_step_median"]["ray_processes"] if "D" in stats else float("nan")
     if np.isfinite(ray_idle):
         print(f"  while D ran, the idle Ray processes used {ray_idle:.3f} CPU-s per D step")
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
 from unirl_ray.models.unified.config import TRANSFORMER_DIR, TinyUnifiedConfig, UnifiedConfig
 from unirl_ray.models.unified.model import UnifiedTransformer
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ def build_tiny_unified(tiny: TinyUnifiedConfig, tokenizer: Any, attn_implementat
 
 
 def build_tiny_vae(tiny: TinyUnifiedConfig) -> AutoencoderKL:
+    from diffusers import AutoencoderKL
+
     n = len(tiny.vae_block_out_channels)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.seed + 1)
@@ -71,6 +75,8 @@ class UnifiedBundle:
     @classmethod
     def from_config(cls, config: UnifiedConfig) -> "UnifiedBundle":
         """Load ``config.pretrained_model_path`` (local files only) or build the tiny demo model."""
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
         attn = config.attn_implementation
         if config.is_demo:
             from unirl_ray.models.causal_lm.tokenizer import build_char_tokenizer

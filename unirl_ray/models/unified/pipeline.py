@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from unirl_ray.config.checks import PositiveInt
 from unirl_ray.core.sample import DiffusionPart, Part, TextPart
@@ -77,6 +76,8 @@ class UnifiedImagePipeline(FlowSDEPipeline):
         return (shape["latent_channels"], self.height // f, self.width // f)
 
     def _compute_sigmas(self) -> torch.Tensor:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
         kwargs = {"mu": float(scheduler.config.get("base_shift", 0.5))} if scheduler.config.get("use_dynamic_shifting") else {}
         return self._schedule_sigmas(scheduler, **kwargs)

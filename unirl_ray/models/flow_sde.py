@@ -188,6 +188,13 @@ class FlowSDEPipeline(abc.ABC):
         """Final latents [B, *latent_shape] -> uint8 media [B, ..., 3]."""
 
     # ------------------------------------------------------------------ helpers for the hooks
+    def _euler_scheduler(self) -> Any:
+        """A diffusers ``FlowMatchEulerDiscreteScheduler`` with the bundle's scheduler config (diffusers imported
+        here, not with the module: a driver checks a recipe's pipeline without it)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
+
     def _schedule_sigmas(self, scheduler: Any, **kwargs: Any) -> torch.Tensor:
         """[T+1] float32 CPU sigmas of a diffusers flow-matching ``scheduler`` set to our step count."""
         scheduler.set_timesteps(self.num_inference_steps, device="cpu", **kwargs)

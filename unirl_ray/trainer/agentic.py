@@ -120,7 +120,8 @@ class AgenticTrainer(ARTrainer):
         pipeline = self.recipe.pipeline
         longest = pipeline_setting(pipeline, "max_prompt_tokens")
         if not isinstance(longest, int) or isinstance(longest, bool):
-            raise RecipeError(f"pipeline.max_prompt_tokens must be set (the longest context a turn may see), got {longest!r}")
+            raise RecipeError(f"pipeline.max_prompt_tokens must be set (the longest context a turn may see), "
+                              f"got {longest!r}")
         self.max_context_tokens = longest
         self._env_takes_tokenizer = _accepts(locate(self.recipe.environment.get("_target_"), "environment"), "tokenizer")
         env = self.make_environment()  # built once here: a bad environment section fails before workers start

@@ -107,9 +107,7 @@ class FluxPipeline(FlowSDEPipeline):
         return (h // PACK) * (w // PACK)
 
     def _compute_sigmas(self) -> torch.Tensor:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
+        sched = self._euler_scheduler()
         n = self.num_inference_steps
         kwargs = {"sigmas": np.linspace(1.0, 1.0 / n, n).tolist()}
         cfg = sched.config

@@ -96,9 +96,7 @@ class QwenImagePipeline(FlowSDEPipeline):
     def _compute_sigmas(self) -> torch.Tensor:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
+        sched = self._euler_scheduler()
         n, cfg = self.num_inference_steps, sched.config
         mu = calculate_shift(self.image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))

@@ -91,9 +91,7 @@ class SD3Pipeline(FlowSDEPipeline):
         return (int(self.bundle.vae.config.latent_channels), self.height // f, self.width // f)
 
     def _compute_sigmas(self) -> torch.Tensor:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
+        sched = self._euler_scheduler()
         kwargs = {}
         if sched.config.get("use_dynamic_shifting", False):
             kwargs["mu"] = self._dynamic_shift_mu(sched.config)

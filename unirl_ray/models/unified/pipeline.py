@@ -76,9 +76,7 @@ class UnifiedImagePipeline(FlowSDEPipeline):
         return (shape["latent_channels"], self.height // f, self.width // f)
 
     def _compute_sigmas(self) -> torch.Tensor:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.bundle.scheduler.config)
+        scheduler = self._euler_scheduler()
         kwargs = {"mu": float(scheduler.config.get("base_shift", 0.5))} if scheduler.config.get("use_dynamic_shifting") else {}
         return self._schedule_sigmas(scheduler, **kwargs)
 
